@@ -1,0 +1,1 @@
+"""Frontends: capture framework programs into MetaIR and execute their ops."""

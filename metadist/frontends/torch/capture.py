@@ -1,0 +1,445 @@
+"""Capture a whole PyTorch training step (forward, backward, optimizer) as one MetaIR graph.
+
+The recipe:
+
+1. Every parameter, buffer, optimizer state and batch tensor becomes a fake
+   tensor (no memory), and the module is re-parametrised with them
+   (tied weights stay one parameter).
+2. Pass 1 traces the user's step with ``make_fx``: autograd runs for real, so
+   ``loss.backward()`` records the backward ops. ``optimizer.step()`` is
+   replaced, for the trace only, by the functional update of :mod:`.optim`,
+   written back into the traced tensors in place; ``zero_grad()`` runs as is.
+3. Pass 2 re-traces that graph under functionalization: in-place ops become
+   out-of-place ones, and every mutated input (updated parameters, optimizer
+   states, batch-norm running statistics) ends in one ``copy_`` into it.
+4. :mod:`.to_ir` turns the result into MetaIR: each ``copy_`` into an input
+   becomes a state output that names the input it replaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from ...ir import Graph, Role
+from .errors import CaptureError
+from .optim import OptimizerSpec, functional_update, initial_state, optimizer_spec
+from .to_ir import InputSlot, fx_to_ir
+
+__all__ = ["TorchStep", "capture", "capture_step"]
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+
+@dataclass
+class TorchStep:
+    """A captured step and what the PyTorch frontend needs to run it again.
+
+    ``graph`` is the framework-free MetaIR. The rest stays in the frontend:
+    the functional fx graph, where each graph input comes from, the tensor
+    constants the step created, and the structure of the step's return value.
+    """
+
+    graph: Graph
+    graph_module: torch.fx.GraphModule
+    slots: tuple[InputSlot, ...]
+    constants: dict[str, torch.Tensor]
+    output_tree: Any
+    """pytree spec of the step's return value (its tensor leaves are the LOSS/ACTIVATION outputs)."""
+    capture_seconds: float
+    optimizer_hyperparameters: tuple = ()
+    stats: dict = field(default_factory=dict)
+
+    def gather_inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
+        """The real tensors for the graph's inputs, in graph order.
+
+        Optimizer state that torch has not created yet is created here the way
+        torch would (zeros, step 0), and stored in ``optimizer.state``.
+        """
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        batch_leaves = _flatten_batch(batch)[0]
+        param_of_name = {name: param for name, param in params.items()}
+        group_of = _group_of_param(optimizer) if optimizer is not None else {}
+        spec = optimizer_spec(optimizer) if optimizer is not None else None
+        tensors: list[torch.Tensor] = []
+        for slot in self.slots:
+            if slot.kind == "param":
+                tensor = params[slot.key].detach()
+            elif slot.kind == "buffer":
+                tensor = buffers[slot.key]
+            elif slot.kind == "state":
+                param = param_of_name[slot.key]
+                existing = optimizer.state[param]
+                if slot.state_key not in existing:
+                    existing.update(initial_state(spec, param.detach(), group_of[id(param)], dict(existing)))
+                tensor = existing[slot.state_key]
+            elif slot.kind == "batch":
+                tensor = batch_leaves[slot.index]
+            else:
+                tensor = self.constants[slot.key]
+            if tensor.device.type == "meta":
+                raise CaptureError(
+                    f"input {slot.name!r} is on the meta device: this model can be captured and planned, "
+                    "but running it needs real tensors (materialise it, or run it distributed)"
+                )
+            tensors.append(tensor)
+        return tensors
+
+    def run(self, model: torch.nn.Module, optimizer: Any, batch: Any, *, execute: Callable | None = None) -> Any:
+        """Run one step on one device by executing the graph, and write the updated state back.
+
+        ``execute(graph, inputs, constants)`` defaults to the MetaIR interpreter
+        of this frontend. Returns what the user's step returns.
+        """
+        from .execute import execute_graph
+
+        inputs = self.gather_inputs(model, optimizer, batch)
+        results = (execute or execute_graph)(self.graph, inputs, self.constants)
+        by_input = {slot.name: (slot, tensor) for slot, tensor in zip(self.slots, inputs)}
+        user_leaves = []
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for graph_output, value in zip(self.graph.outputs, results):
+                if graph_output.replaces is not None:
+                    slot, tensor = by_input[graph_output.replaces]
+                    if slot.kind == "state":
+                        optimizer.state[params[slot.key]][slot.state_key] = value
+                    else:
+                        tensor.copy_(value)
+                elif graph_output.role is Role.GRAD:
+                    params[graph_output.source.removeprefix("grad:")].grad = value
+                else:
+                    user_leaves.append(value)
+        return pytree.tree_unflatten(user_leaves, self.output_tree)
+
+
+def capture(train_step: Callable, model: torch.nn.Module, optimizer: Any, batch: Any, **options: Any) -> Graph:
+    """Capture ``train_step(model, optimizer, batch)`` as one functional MetaIR graph.
+
+    See :func:`capture_step` for the options; this returns just the graph.
+    """
+    return capture_step(train_step, model, optimizer, batch, **options).graph
+
+
+def capture_step(
+    train_step: Callable,
+    model: torch.nn.Module,
+    optimizer: Any,
+    batch: Any,
+    *,
+    name: str = "step",
+    keep_grads: bool = False,
+) -> TorchStep:
+    """Capture ``train_step(model, optimizer, batch)``.
+
+    ``keep_grads=True`` adds each parameter's gradient (as the optimizer saw
+    it) to the outputs with role ``grad``, for checking runs against each other.
+    Nothing of the user's model, optimizer or batch is changed.
+    """
+    started = time.perf_counter()
+    _check_arguments(train_step, model, optimizer, batch)
+    spec = optimizer_spec(optimizer) if optimizer is not None else None
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    param_names = {id(param): name for name, param in params.items()}
+    group_of = _group_of_param(optimizer) if optimizer is not None else {}
+    _check_optimizer_params(group_of, param_names, optimizer)
+    for pname, param in params.items():
+        if param.grad is not None:
+            raise CaptureError(
+                f"parameter {pname!r} already holds a gradient: the captured step starts from no gradients. "
+                "Call optimizer.zero_grad() (set_to_none=True, the default) before capturing"
+            )
+    batch_leaves, batch_paths, batch_tree = _flatten_batch(batch)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    slots: list[InputSlot] = []
+    fakes: list[torch.Tensor] = []
+
+    def add(slot: InputSlot, tensor: torch.Tensor, requires_grad: bool = False) -> None:
+        slots.append(slot)
+        fakes.append(_to_fake(fake_mode, tensor, requires_grad))
+
+    for pname, param in params.items():
+        add(InputSlot(pname, Role.PARAM, "param", pname), param, param.requires_grad)
+    for bname, buffer in buffers.items():
+        add(InputSlot(bname, Role.BUFFER, "buffer", bname), buffer)
+    for pname, param in params.items():
+        if id(param) not in group_of:
+            continue
+        state = initial_state(spec, param.detach(), group_of[id(param)], dict(optimizer.state.get(param, {})))
+        for key, tensor in state.items():
+            add(InputSlot(f"{pname}:{key}", Role.OPTIM_STATE, "state", pname, state_key=key), tensor)
+    for index, (path, leaf) in enumerate(zip(batch_paths, batch_leaves)):
+        add(InputSlot(f"batch{path}", Role.BATCH, "batch", path, index=index), leaf)
+
+    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads)
+    decompositions = {aten.native_batch_norm.default: _native_batch_norm_as_legit}
+    with _user_errors(), fake_mode:
+        pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
+    inputs_pass2 = [fake.detach() for fake in fakes]
+    with _user_errors(), fake_mode, torch.no_grad():
+        pass2 = make_fx(torch.func.functionalize(pass1, remove="mutations"), tracing_mode="real")(*inputs_pass2)
+    pass2.graph.eliminate_dead_code()
+    pass2.recompile()
+
+    output_roles = traced.output_roles()
+    graph, constants, slots_all = fx_to_ir(pass2, slots, output_roles, name=name)
+    elapsed = time.perf_counter() - started
+    log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
+    return TorchStep(
+        graph=graph,
+        graph_module=pass2,
+        slots=tuple(slots_all),
+        constants=constants,
+        output_tree=traced.output_tree,
+        capture_seconds=elapsed,
+        optimizer_hyperparameters=_hyperparameters(optimizer),
+    )
+
+
+class _Pass1:
+    """The function pass 1 traces: the user's step over re-parametrised tensors."""
+
+    def __init__(self, train_step, model, optimizer, spec, slots, batch_tree, keep_grads) -> None:
+        self.train_step, self.model, self.optimizer, self.spec = train_step, model, optimizer, spec
+        self.slots, self.batch_tree, self.keep_grads = slots, batch_tree, keep_grads
+        self.output_tree = None
+        self.user_roles: list[tuple[Role, str]] = []
+        self.grad_names: list[str] = []
+        self.name_of = {id(param): name for name, param in model.named_parameters()}
+
+    def __call__(self, *tensors: torch.Tensor):
+        by_kind: dict[str, dict[str, torch.Tensor]] = {"param": {}, "buffer": {}, "batch": {}}
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        batch_leaves: list[torch.Tensor] = []
+        for slot, tensor in zip(self.slots, tensors):
+            if slot.kind == "state":
+                states.setdefault(slot.key, {})[slot.state_key] = tensor
+            elif slot.kind == "batch":
+                batch_leaves.append(tensor)
+            else:
+                by_kind[slot.kind][slot.key] = tensor
+        batch = pytree.tree_unflatten(batch_leaves, self.batch_tree)
+        traced_params = by_kind["param"]
+        kept_grads: dict[str, torch.Tensor] = {}
+        mapping = {**traced_params, **by_kind["buffer"]}
+        with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
+            traced_params, states, kept_grads
+        ):
+            result = self.train_step(self.model, self.optimizer, batch)
+        leaves, self.output_tree = pytree.tree_flatten(result)
+        outputs = []
+        self.user_roles = []
+        for position, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise CaptureError(
+                    f"the training step returned a {type(leaf).__name__} ({leaf!r}) at position {position} of its "
+                    "result; a captured step may return tensors only (e.g. the loss). Return the tensor, "
+                    "or convert after the step"
+                )
+            is_loss = leaf.dim() == 0 and leaf.is_floating_point()
+            self.user_roles.append((Role.LOSS if is_loss else Role.ACTIVATION, f"result{position}"))
+            outputs.append(leaf.detach())
+        self.grad_names = []
+        for pname, tensor in traced_params.items():
+            grad = kept_grads.get(pname) if self.keep_grads else None
+            if grad is None and tensor.grad is not None:
+                grad = tensor.grad  # the step left a gradient behind: it is part of the result
+            if grad is not None:
+                self.grad_names.append(pname)
+                outputs.append(grad.detach())
+        return outputs
+
+    def output_roles(self) -> list[tuple[Role, str]]:
+        return self.user_roles + [(Role.GRAD, f"grad:{name}") for name in self.grad_names]
+
+    @contextlib.contextmanager
+    def _optimizer_hooks(self, traced_params, states, kept_grads):
+        optimizer = self.optimizer
+        if optimizer is None:
+            yield
+            return
+        name_of = self.name_of  # the real parameters' names (the module is re-parametrised now)
+        spec: OptimizerSpec = self.spec
+
+        def step(closure=None):
+            if closure is not None:
+                raise CaptureError(
+                    "optimizer.step(closure) cannot be captured: the closure re-evaluates the model inside the "
+                    "optimizer. Call loss.backward() in the step and optimizer.step() without a closure"
+                )
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        pname = name_of[id(param)]
+                        traced = traced_params[pname]
+                        if traced.grad is None:
+                            continue  # torch skips parameters without a gradient
+                        kept_grads[pname] = traced.grad.clone()
+                        param_state = states.setdefault(pname, {})
+                        new_param, new_state = functional_update(spec, traced, traced.grad, param_state, group)
+                        traced.copy_(new_param)
+                        for key, value in new_state.items():
+                            param_state[key].copy_(value)
+
+        def zero_grad(set_to_none: bool = True):
+            for traced in traced_params.values():
+                if traced.grad is None:
+                    continue
+                if set_to_none:
+                    traced.grad = None
+                else:
+                    traced.grad = torch.zeros_like(traced.grad)
+
+        saved = {name: optimizer.__dict__.get(name) for name in ("step", "zero_grad")}
+        optimizer.step, optimizer.zero_grad = step, zero_grad
+        try:
+            yield
+        finally:
+            for attr, value in saved.items():
+                if value is None:
+                    optimizer.__dict__.pop(attr, None)
+                else:
+                    optimizer.__dict__[attr] = value
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def _native_batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``native_batch_norm`` updates its running statistics without saying so in its schema, which
+    functionalization cannot see; ``_native_batch_norm_legit`` declares the mutation and runs the
+    same CPU/CUDA kernel, so functionalization turns it into an explicit update."""
+    if running_mean is None and running_var is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    if not training:
+        return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var, momentum, eps)
+    return aten._native_batch_norm_legit.default(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+
+def _to_fake(fake_mode: FakeTensorMode, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A fake CPU tensor of the same shape and dtype (meta tensors too), a leaf."""
+    with fake_mode:
+        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu")
+    if requires_grad:
+        fake.requires_grad_(True)
+    return fake
+
+
+def _flatten_batch(batch: Any) -> tuple[list[torch.Tensor], list[str], Any]:
+    with_paths, tree = pytree.tree_flatten_with_path(batch)
+    leaves, paths = [], []
+    for path, leaf in with_paths:
+        text = pytree.keystr(path)
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"the batch holds a {type(leaf).__name__} at batch{text}; MetaDist shards tensors, so every leaf "
+                "of the batch (a tensor, or a dict/list/tuple of tensors) must be a torch.Tensor. "
+                "Make it a tensor, or pass it to the step another way (a closure or the model's config)"
+            )
+        leaves.append(leaf)
+        paths.append(_clean_path(text))
+    return leaves, paths, tree
+
+
+def _clean_path(text: str) -> str:
+    return text.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+
+
+def _group_of_param(optimizer: Any) -> dict[int, dict]:
+    return {id(param): group for group in optimizer.param_groups for param in group["params"]}
+
+
+def _check_arguments(train_step, model, optimizer, batch) -> None:
+    if not callable(train_step):
+        raise CaptureError(f"train_step must be callable as train_step(model, optimizer, batch), got {type(train_step).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CaptureError(
+            f"optimizer must be a torch.optim.Optimizer (or None), got {type(optimizer).__name__}"
+        )
+
+
+def _check_optimizer_params(group_of: dict[int, dict], param_names: dict[int, str], optimizer: Any) -> None:
+    missing = [key for key in group_of if key not in param_names]
+    if missing:
+        raise CaptureError(
+            f"the optimizer updates {len(missing)} tensor(s) that are not parameters of the model; "
+            "build the optimizer from model.parameters()"
+        )
+
+
+def _hyperparameters(optimizer: Any) -> tuple:
+    if optimizer is None:
+        return ()
+    return tuple(
+        tuple(sorted((key, repr(value)) for key, value in group.items() if key != "params"))
+        for group in optimizer.param_groups
+    )
+
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """Turn failures while tracing the user's step into CaptureErrors that point at the user's code."""
+    try:
+        yield
+    except CaptureError:
+        raise
+    except _DATA_DEPENDENT as err:
+        raise CaptureError(
+            f"the training step has data-dependent Python control flow or output shapes at {_user_frame(err)}: "
+            f"a Python decision on a tensor's value ({type(err).__name__}: {err}). A captured step must run the same "
+            "ops whatever the data: use torch.where instead of `if tensor:`, and keep .item()/.tolist()/nonzero() "
+            "out of the step"
+        ) from err
+    except UnsupportedFakeTensorException as err:
+        raise CaptureError(f"the training step uses a tensor MetaDist cannot trace at {_user_frame(err)}: {err}") from err
+    except Exception as err:  # a user's exception while tracing: say where, keep the cause chained
+        if _is_guard_on_data(err):
+            raise CaptureError(
+                f"the training step has data-dependent Python control flow at {_user_frame(err)}: {err}. "
+                "Use torch.where instead of `if tensor:`"
+            ) from err
+        raise CaptureError(
+            f"the training step failed while being traced, at {_user_frame(err)}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def _is_guard_on_data(err: Exception) -> bool:
+    return type(err).__name__ in {"GuardOnDataDependentSymNode", "DataDependentOutputException"}
+
+
+def _user_frame(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    internal = ("/torch/", "/metadist/", "/contextlib.py", "/functools.py")
+    for frame in reversed(frames):
+        if not any(part in frame.filename for part in internal) and "site-packages" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    for frame in reversed(frames):
+        if not any(part in frame.filename for part in internal):
+            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    return "an unknown place"

@@ -1,0 +1,83 @@
+"""Execute MetaIR nodes with PyTorch: the frontend's half of the IR contract.
+
+MetaIR names ops by string; :func:`resolve_op` turns ``"aten.mm.default"``
+back into ``torch.ops.aten.mm.default``, and :func:`materialize` turns a
+node's encoded arguments back into torch values.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ...ir import Graph, IRError, Literal, Node, ValueRef
+
+__all__ = ["resolve_op", "materialize", "execute_node", "execute_graph"]
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_op(target: str) -> torch._ops.OpOverload:
+    """The torch operator a MetaIR target names."""
+    namespace, _, rest = target.partition(".")
+    opname, _, overload = rest.rpartition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), opname)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError) as err:
+        raise IRError(f"this PyTorch ({torch.__version__}) has no operator {target!r}") from err
+
+
+_LITERALS = {
+    "dtype": lambda value: getattr(torch, value),
+    "device": torch.device,
+    "layout": lambda value: getattr(torch, value),
+    "memory_format": lambda value: getattr(torch, value),
+}
+
+
+def materialize(arg: Any, env: Mapping[str, Any]) -> Any:
+    """Decode one MetaIR argument into the value torch expects."""
+    if isinstance(arg, ValueRef):
+        return env[arg.name]
+    if isinstance(arg, Literal):
+        return _LITERALS[arg.kind](arg.value)
+    if isinstance(arg, tuple):
+        return [materialize(item, env) for item in arg]
+    return arg
+
+
+def execute_node(node: Node, env: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Run one node on concrete tensors; returns one entry per node output."""
+    op = resolve_op(node.op.target)
+    args = [materialize(arg, env) for arg in node.args]
+    kwargs = {key: materialize(arg, env) for key, arg in node.kwargs}
+    result = op(*args, **kwargs)
+    if len(node.outputs) == 1 and not isinstance(result, (tuple, list)):
+        return (result,)
+    return tuple(result)
+
+
+def execute_graph(graph: Graph, inputs: Sequence[torch.Tensor], constants: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Interpret the graph on concrete tensors, node by node; returns the outputs in graph order.
+
+    Values are freed after their last use, so peak memory follows the graph's liveness.
+    """
+    if len(inputs) != len(graph.inputs):
+        raise IRError(f"graph {graph.name!r} takes {len(graph.inputs)} inputs, got {len(inputs)}")
+    env: dict[str, Any] = {graph_input.value.name: tensor for graph_input, tensor in zip(graph.inputs, inputs)}
+    last_use: dict[str, int] = {}
+    for position, node in enumerate(graph.nodes):
+        for name in node.input_names:
+            last_use[name] = position
+    keep = {graph_output.name for graph_output in graph.outputs}
+    for position, node in enumerate(graph.nodes):
+        results = execute_node(node, env)
+        for value, result in zip(node.outputs, results):
+            if value is not None:
+                env[value.name] = result
+        for name in set(node.input_names):
+            if last_use.get(name) == position and name not in keep:
+                env.pop(name, None)
+    return [env[graph_output.name] for graph_output in graph.outputs]

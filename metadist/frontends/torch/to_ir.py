@@ -1,0 +1,183 @@
+"""Convert a functional ATen fx graph into MetaIR."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from ...ir import Graph, GraphInput, GraphOutput, Literal, MetaOp, Node, Role, TensorSpec, Value, ValueRef
+from .errors import CaptureError
+
+__all__ = ["InputSlot", "fx_to_ir", "dtype_name", "op_target", "op_tags"]
+
+#: Ops that return their input unchanged in a functional graph; folded away.
+_IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """Where one graph input comes from in the user's program."""
+
+    name: str
+    role: Role
+    kind: str
+    """``param``, ``buffer``, ``state``, ``batch`` or ``constant``."""
+    key: str
+    """The parameter/buffer name (for a state: its parameter), the batch path, or the constant's name."""
+    state_key: str = ""
+    index: int = -1
+    """For a batch leaf: its position in the flattened batch."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def op_target(op: torch._ops.OpOverload) -> str:
+    return f"{op.namespace}.{op._opname}.{op._overloadname}"
+
+
+def op_tags(op: torch._ops.OpOverload) -> frozenset[str]:
+    tags = set()
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        tags.add("random")
+    if op.is_view:
+        tags.add("view")
+    return frozenset(tags)
+
+
+def _spec(value: Any, where: str) -> TensorSpec:
+    if not isinstance(value, torch.Tensor):
+        raise CaptureError(f"{where} is a {type(value).__name__}, not a tensor; MetaIR values are tensors")
+    return TensorSpec(tuple(int(size) for size in value.shape), dtype_name(value.dtype))
+
+
+def _encode(arg: Any, names: dict[torch.fx.Node, Any], where: str) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        ref = names.get(arg)
+        if ref is None:
+            raise CaptureError(f"{where} reads {arg.name}, which produces no tensor MetaIR can name")
+        return ValueRef(ref)
+    if isinstance(arg, (list, tuple)):
+        return tuple(_encode(item, names, where) for item in arg)
+    if arg is None or isinstance(arg, (bool, int, float, str)):
+        return arg
+    if isinstance(arg, torch.dtype):
+        return Literal("dtype", dtype_name(arg))
+    if isinstance(arg, torch.device):
+        return Literal("device", arg.type)
+    if isinstance(arg, torch.layout):
+        return Literal("layout", str(arg).removeprefix("torch."))
+    if isinstance(arg, torch.memory_format):
+        return Literal("memory_format", str(arg).removeprefix("torch."))
+    raise CaptureError(f"{where} has an argument of type {type(arg).__name__} ({arg!r}) that MetaIR cannot represent")
+
+
+def _same_tensor_type(dst: Any, src: Any) -> bool:
+    if not (isinstance(dst, torch.fx.Node) and isinstance(src, torch.fx.Node)):
+        return False
+    dst_val, src_val = dst.meta.get("val"), src.meta.get("val")
+    return (
+        isinstance(dst_val, torch.Tensor)
+        and isinstance(src_val, torch.Tensor)
+        and dst_val.shape == src_val.shape
+        and dst_val.dtype == src_val.dtype
+    )
+
+
+def fx_to_ir(
+    gm: torch.fx.GraphModule,
+    slots: list[InputSlot],
+    output_roles: list[tuple[Role, str]],
+    *,
+    name: str,
+) -> tuple[Graph, dict[str, torch.Tensor], list[InputSlot]]:
+    """Convert pass 2's functional graph.
+
+    Returns the graph, the tensor constants it reads (by input name), and the
+    input slots including one per constant.
+    """
+    names: dict[torch.fx.Node, Any] = {}
+    inputs: list[GraphInput] = []
+    slots_all = list(slots)
+    constants: dict[str, torch.Tensor] = {}
+    nodes: list[Node] = []
+    state_outputs: list[GraphOutput] = []
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    if len(placeholders) != len(slots):
+        raise CaptureError(f"internal: traced {len(placeholders)} inputs for {len(slots)} slots")
+    slot_of_placeholder = {}
+    for node, slot in zip(placeholders, slots):
+        names[node] = slot.name
+        slot_of_placeholder[node] = slot
+        inputs.append(GraphInput(Value(slot.name, _spec(node.meta["val"], f"input {slot.name}")), slot.role, slot.key))
+
+    multi_outputs: dict[torch.fx.Node, list[Value | None]] = {}
+    output_node = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "get_attr":
+            tensor = getattr(gm, node.target)
+            cname = f"const:{node.target}"
+            constants[cname] = tensor
+            slot = InputSlot(cname, Role.CONSTANT, "constant", cname)
+            slots_all.append(slot)
+            names[node] = cname
+            inputs.append(GraphInput(Value(cname, _spec(tensor, f"constant {node.target}")), Role.CONSTANT, node.target))
+            continue
+        if node.op == "output":
+            output_node = node
+            continue
+        if node.op != "call_function":
+            raise CaptureError(f"internal: unexpected fx node {node.op} {node.target}")
+        if node.target is operator.getitem:
+            parent, index = node.args
+            values = multi_outputs.get(parent)
+            if values is None or values[index] is None:
+                raise CaptureError(f"internal: {node.name} reads output {index} of {parent.name}, which MetaIR did not record")
+            # Rename the parent's output to this getitem's name, then record it.
+            names[node] = values[index].name
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise CaptureError(f"the captured graph calls {node.target}, which is not an ATen operator")
+        if node.target in _IDENTITY_OPS:
+            names[node] = names[node.args[0]]
+            continue
+        if node.target is torch.ops.aten.copy.default and _same_tensor_type(node.args[0], node.args[1]):
+            names[node] = names[node.args[1]]  # functional copy into a same-typed tensor: the source itself
+            continue
+        if node.target is torch.ops.aten.copy_.default and node.args[0] in slot_of_placeholder:
+            slot = slot_of_placeholder[node.args[0]]
+            state_outputs.append(GraphOutput(names[node.args[1]], slot.role, replaces=slot.name, source=slot.key))
+            continue
+        where = f"node {node.name} ({op_target(node.target)})"
+        args = tuple(_encode(arg, names, where) for arg in node.args)
+        kwargs = tuple((key, _encode(arg, names, where)) for key, arg in node.kwargs.items())
+        val = node.meta.get("val")
+        if isinstance(val, (list, tuple)):
+            getitem_names = {user.args[1]: user.name for user in node.users if user.target is operator.getitem}
+            values = [
+                None if item is None else Value(getitem_names.get(index, f"{node.name}.{index}"), _spec(item, where))
+                for index, item in enumerate(val)
+            ]
+            multi_outputs[node] = values
+            outputs = tuple(values)
+        else:
+            outputs = (Value(node.name, _spec(val, where)),)
+            names[node] = node.name
+        nodes.append(Node(node.name, MetaOp(op_target(node.target), op_tags(node.target)), args, kwargs, outputs))
+
+    assert output_node is not None
+    returned = output_node.args[0]
+    if len(returned) != len(output_roles):
+        raise CaptureError(f"internal: {len(returned)} outputs traced for {len(output_roles)} roles")
+    outputs = []
+    for value, (role, source) in zip(returned, output_roles):
+        outputs.append(GraphOutput(names[value], role, source=source))
+    outputs.extend(state_outputs)
+    return Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name), constants, slots_all

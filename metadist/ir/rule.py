@@ -1,0 +1,334 @@
+"""SPMD rules in factor notation (see DESIGN.md, "Rules: factor notation").
+
+A :class:`Rule` is the set of ways an op's iteration space can be split. Each
+:class:`Factor` names, for every tensor input (in the node's flattened input
+order, repeats kept), the dim that carries the factor or ``None`` (that input is
+replicated), and, for every output, how the per-shard outputs recombine:
+:class:`Concat` (the output is ``Shard(dim)``), :class:`Reduce` (``Partial(op)``)
+or :class:`Identity` (``Replicate()``). ``None`` stands for an output that the
+op does not produce as a tensor.
+
+Text form: one letter per factor, written into each tensor's dims (``_`` where
+no factor sits), then the non-concat outputs and options after ``|``::
+
+    ab,bc->ac | b:sum                  # aten.mm
+    a_,_,_->a_,a_,a_                   # layer norm over the last dim (mean, rstd too)
+    a_b,a_b->a_b | pass 0:sum 1:sum    # add, linear in both inputs
+
+``pass`` lists the :class:`PartialPass` entries: a ``Partial(op)`` input that
+may pass through to ``Partial(op)`` outputs with every other input replicated.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .placement import REDUCE_OPS
+
+RULE_FORMAT_VERSION = 1
+
+
+class RuleError(ValueError):
+    """A rule is malformed or does not fit the op it is applied to."""
+
+
+@dataclass(frozen=True)
+class Concat:
+    """Outputs are pieces along ``dim``; ``chunk`` > 1 for block-cyclic pieces, ``halo`` for overlap."""
+
+    dim: int
+    chunk: int = 1
+    halo: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or self.chunk < 1 or self.halo < 0:
+            raise RuleError(f"invalid Concat(dim={self.dim}, chunk={self.chunk}, halo={self.halo})")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Outputs are partial results that reduce with ``op``."""
+
+    op: str
+
+    def __post_init__(self) -> None:
+        if self.op not in REDUCE_OPS:
+            raise RuleError(f"Reduce.op must be one of {REDUCE_OPS}, got {self.op!r}")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Every shard computes the whole output."""
+
+
+Combine = Union[Concat, Reduce, Identity]
+
+
+_NO_DIM = 1 << 30
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One way to split the op: the dim per input (or None) and the recombination per output."""
+
+    inputs: tuple[int | None, ...]
+    outputs: tuple[Combine | None, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if all(dim is None for dim in self.inputs):
+            raise RuleError("a factor must split at least one input")
+
+    def size(self, input_shapes: tuple[tuple[int, ...], ...]) -> int:
+        """The extent of the split: the size of the dims this factor occupies (they agree)."""
+        sizes = {input_shapes[index][dim] for index, dim in enumerate(self.inputs) if dim is not None}
+        if len(sizes) != 1:
+            raise RuleError(f"factor {self} occupies dims of different sizes {sorted(sizes)} in shapes {input_shapes}")
+        return sizes.pop()
+
+    def sort_key(self) -> tuple:
+        # Factors print in the order of the first input dim they occupy (mm: m, k, n).
+        return (
+            tuple(_NO_DIM if dim is None else dim for dim in self.inputs),
+            tuple(_combine_key(out) for out in self.outputs),
+        )
+
+
+@dataclass(frozen=True)
+class PartialPass:
+    """A ``Partial(op)`` in input ``input`` passes through: outputs come out ``Partial(op)``."""
+
+    input: int
+    op: str
+
+    def __post_init__(self) -> None:
+        if self.op not in REDUCE_OPS:
+            raise RuleError(f"PartialPass.op must be one of {REDUCE_OPS}, got {self.op!r}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The SPMD rule of one op signature."""
+
+    input_ranks: tuple[int, ...]
+    output_ranks: tuple[int | None, ...]
+    factors: tuple[Factor, ...]
+    partial_passes: tuple[PartialPass, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_ranks", tuple(self.input_ranks))
+        object.__setattr__(self, "output_ranks", tuple(self.output_ranks))
+        factors = tuple(sorted(set(self.factors), key=Factor.sort_key))
+        object.__setattr__(self, "factors", factors)
+        object.__setattr__(
+            self, "partial_passes", tuple(sorted(set(self.partial_passes), key=lambda p: (p.input, p.op)))
+        )
+        for factor in factors:
+            if len(factor.inputs) != len(self.input_ranks) or len(factor.outputs) != len(self.output_ranks):
+                raise RuleError(
+                    f"factor {factor} has {len(factor.inputs)} inputs/{len(factor.outputs)} outputs, "
+                    f"the rule has {len(self.input_ranks)}/{len(self.output_ranks)}"
+                )
+            for dim, rank in zip(factor.inputs, self.input_ranks):
+                if dim is not None and not 0 <= dim < rank:
+                    raise RuleError(f"factor {factor} splits dim {dim} of a rank-{rank} input")
+            for out, rank in zip(factor.outputs, self.output_ranks):
+                if (out is None) != (rank is None):
+                    raise RuleError(f"factor {factor} does not match which outputs exist: {self.output_ranks}")
+                if isinstance(out, Concat) and not out.dim < rank:  # type: ignore[operator]
+                    raise RuleError(f"factor {factor} concatenates along dim {out.dim} of a rank-{rank} output")
+        for partial in self.partial_passes:
+            if not 0 <= partial.input < len(self.input_ranks):
+                raise RuleError(f"partial pass {partial} names a missing input")
+
+    # -- text form -----------------------------------------------------------
+    def to_text(self) -> str:
+        letters = _letters(len(self.factors))
+        inputs = []
+        for index, rank in enumerate(self.input_ranks):
+            slots = ["_"] * rank
+            for letter, factor in zip(letters, self.factors):
+                dim = factor.inputs[index]
+                if dim is not None:
+                    if slots[dim] != "_":
+                        return self._verbose()
+                    slots[dim] = letter
+            inputs.append("".join(slots))
+        outputs = []
+        extras: list[str] = []
+        for index, rank in enumerate(self.output_ranks):
+            if rank is None:
+                outputs.append("-")
+                continue
+            slots = ["_"] * rank
+            for letter, factor in zip(letters, self.factors):
+                out = factor.outputs[index]
+                if isinstance(out, Concat):
+                    if slots[out.dim] != "_":
+                        return self._verbose()
+                    slots[out.dim] = letter
+            outputs.append("".join(slots))
+        for letter, factor in zip(letters, self.factors):
+            kinds = {_combine_text(out) for out in factor.outputs if out is not None and not _plain_concat(out)}
+            if len(kinds) > 1:
+                return self._verbose()
+            if kinds:
+                extras.append(f"{letter}:{kinds.pop()}")
+        text = ",".join(inputs) + "->" + ",".join(outputs)
+        if extras:
+            text += " | " + " ".join(extras)
+        if self.partial_passes:
+            text += " | pass " + " ".join(f"{p.input}:{p.op}" for p in self.partial_passes)
+        return text
+
+    def _verbose(self) -> str:
+        return repr(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    @staticmethod
+    def parse(text: str) -> "Rule":
+        return parse_rule(text)
+
+    # -- JSON ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_ranks": list(self.input_ranks),
+            "output_ranks": list(self.output_ranks),
+            "factors": [
+                {"inputs": list(factor.inputs), "outputs": [_combine_to_json(out) for out in factor.outputs]}
+                for factor in self.factors
+            ],
+            "partial_passes": [{"input": p.input, "op": p.op} for p in self.partial_passes],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Rule":
+        return Rule(
+            input_ranks=tuple(data["input_ranks"]),
+            output_ranks=tuple(data["output_ranks"]),
+            factors=tuple(
+                Factor(tuple(item["inputs"]), tuple(_combine_from_json(out) for out in item["outputs"]))
+                for item in data["factors"]
+            ),
+            partial_passes=tuple(PartialPass(item["input"], item["op"]) for item in data.get("partial_passes", ())),
+        )
+
+
+def _letters(count: int) -> list[str]:
+    alphabet = string.ascii_lowercase + string.ascii_uppercase
+    if count > len(alphabet):
+        raise RuleError(f"a rule with {count} factors cannot be written in letters")
+    return list(alphabet[:count])
+
+
+def _plain_concat(out: Combine) -> bool:
+    return isinstance(out, Concat) and out.chunk == 1 and out.halo == 0
+
+
+def _combine_text(out: Combine) -> str:
+    if isinstance(out, Reduce):
+        return out.op
+    if isinstance(out, Identity):
+        return "id"
+    parts = []
+    if out.chunk != 1:
+        parts.append(f"chunk={out.chunk}")
+    if out.halo:
+        parts.append(f"halo={out.halo}")
+    return ",".join(parts)
+
+
+def _combine_key(out: Combine | None) -> tuple:
+    if out is None:
+        return (0,)
+    if isinstance(out, Concat):
+        return (1, out.dim, out.chunk, out.halo)
+    if isinstance(out, Reduce):
+        return (2, REDUCE_OPS.index(out.op))
+    return (3,)
+
+
+def _combine_to_json(out: Combine | None) -> Any:
+    if out is None:
+        return None
+    if isinstance(out, Concat):
+        return {"concat": out.dim, "chunk": out.chunk, "halo": out.halo}
+    if isinstance(out, Reduce):
+        return {"reduce": out.op}
+    return {"identity": True}
+
+
+def _combine_from_json(data: Any) -> Combine | None:
+    if data is None:
+        return None
+    if "concat" in data:
+        return Concat(data["concat"], data.get("chunk", 1), data.get("halo", 0))
+    if "reduce" in data:
+        return Reduce(data["reduce"])
+    if data.get("identity"):
+        return Identity()
+    raise RuleError(f"unknown output combination {data!r}")
+
+
+_OPTION_RE = re.compile(r"^([A-Za-z]):(sum|max|min|id|(?:chunk=\d+|halo=\d+)(?:,(?:chunk=\d+|halo=\d+))*)$")
+
+
+def parse_rule(text: str) -> Rule:
+    """Parse the text form written by :meth:`Rule.to_text`."""
+    sections = [section.strip() for section in text.split("|")]
+    if "->" not in sections[0]:
+        raise RuleError(f"cannot parse rule {text!r}: expected 'inputs->outputs'")
+    lhs, rhs = sections[0].split("->")
+    input_specs = lhs.split(",")  # "" is one rank-0 tensor
+    output_specs = rhs.split(",")
+    options: dict[str, str] = {}
+    passes: list[PartialPass] = []
+    for section in sections[1:]:
+        if section.startswith("pass"):
+            for item in section[len("pass"):].split():
+                index, op = item.split(":")
+                passes.append(PartialPass(int(index), op))
+            continue
+        for item in section.split():
+            match = _OPTION_RE.match(item)
+            if not match:
+                raise RuleError(f"cannot parse rule option {item!r} in {text!r}")
+            options[match.group(1)] = match.group(2)
+    letters = sorted(
+        {ch for spec in input_specs for ch in spec if ch.isalpha()},
+        key=lambda ch: (string.ascii_letters.index(ch)),
+    )
+    factors = []
+    for letter in letters:
+        inputs = tuple(spec.index(letter) if letter in spec else None for spec in input_specs)
+        outputs: list[Combine | None] = []
+        option = options.get(letter)
+        for spec in output_specs:
+            if spec == "-":
+                outputs.append(None)
+            elif letter in spec:
+                chunk, halo = 1, 0
+                if option and option not in ("sum", "max", "min", "id"):
+                    for kv in option.split(","):
+                        key, val = kv.split("=")
+                        chunk, halo = (int(val), halo) if key == "chunk" else (chunk, int(val))
+                outputs.append(Concat(spec.index(letter), chunk, halo))
+            elif option in ("sum", "max", "min"):
+                outputs.append(Reduce(option))
+            elif option == "id":
+                outputs.append(Identity())
+            else:
+                raise RuleError(f"factor {letter!r} of {text!r} is missing from an output and has no :sum/:max/:min/:id")
+        factors.append(Factor(inputs, tuple(outputs)))
+    return Rule(
+        input_ranks=tuple(len(spec) for spec in input_specs),
+        output_ranks=tuple(None if spec == "-" else len(spec) for spec in output_specs),
+        factors=tuple(factors),
+        partial_passes=tuple(passes),
+    )
