@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or args.model)
     graph = step.graph
     console = Console()
-    print_summary(console, graph, step.capture_seconds)
+    print_summary(console, graph, step.capture_seconds, top=args.top)
     if args.json:
         write_atomically(args.json, graph_to_json(graph, indent=1))
         console.print(f"graph JSON written to {args.json}")

@@ -1,0 +1,50 @@
+"""Settings read from the environment, in one place (DESIGN.md, "Layering").
+
+Code deep inside MetaDist never reads ``os.environ``: the entry points call
+:func:`settings_from_env` once and pass the frozen :class:`Settings` down.
+
+Environment variables:
+
+``METADIST_CACHE_DIR``
+    Folder for MetaDist's persistent caches (the rule database ``rules.sqlite``).
+    Default: the user's cache folder, ``platformdirs.user_cache_dir("metadist")``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+__all__ = ["CACHE_DIR_ENV", "Settings", "settings_from_env"]
+
+CACHE_DIR_ENV = "METADIST_CACHE_DIR"
+"""The environment variable that overrides :attr:`Settings.cache_dir`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """MetaDist's process-wide settings, as read from the environment."""
+
+    cache_dir: Path
+    """Folder of the persistent caches; the rule database is ``cache_dir / "rules.sqlite"``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+
+    @property
+    def rule_db_path(self) -> Path:
+        """Where the rule database lives unless a path is given explicitly (``--db PATH``)."""
+        return self.cache_dir / "rules.sqlite"
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the settings from ``environ`` (default: ``os.environ``). The only reader of MetaDist's variables."""
+    env = os.environ if environ is None else environ
+    cache_dir = env.get(CACHE_DIR_ENV, "").strip()
+    if not cache_dir:
+        import platformdirs
+
+        cache_dir = platformdirs.user_cache_dir("metadist")
+    return Settings(cache_dir=Path(cache_dir))

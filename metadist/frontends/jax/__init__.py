@@ -1,0 +1,1 @@
+"""The JAX frontend."""

@@ -1,0 +1,232 @@
+"""The PyTorch frontend: one functional graph per train step that reproduces the eager step exactly."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import metadist
+from metadist.frontends.torch import CaptureError, capture_step
+from metadist.ir import Role, graph_from_json, graph_to_json
+from metadist.workloads import builtin_workload
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def train_step(model, optimizer, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def assert_same_as_eager(workload, steps: int = 3):
+    """Eager steps and graph steps from the same start, same seeds: bit-identical results."""
+    step = workload.train_step()
+    eager_model, graph_model = workload.model, copy.deepcopy(workload.model)
+    eager_opt = workload.optimizer(eager_model.parameters())
+    graph_opt = workload.optimizer(graph_model.parameters())
+    captured = capture_step(step, graph_model, graph_opt, workload.batch)
+    for index in range(steps):
+        torch.manual_seed(100 + index)
+        eager_loss = step(eager_model, eager_opt, workload.batch)
+        torch.manual_seed(100 + index)
+        graph_loss = captured.run(graph_model, graph_opt, workload.batch)
+        assert torch.equal(eager_loss, graph_loss), f"step {index}: loss {eager_loss.item()} vs {graph_loss.item()}"
+    for (name, eager), graph in zip(eager_model.state_dict().items(), graph_model.state_dict().values()):
+        diff = (eager.double() - graph.double()).abs().max().item()
+        assert torch.equal(eager, graph), f"{name} differs after {steps} steps, largest difference {diff:.3g}"
+    for eager_param, graph_param in zip(eager_model.parameters(), graph_model.parameters()):
+        eager_state, graph_state = eager_opt.state[eager_param], graph_opt.state[graph_param]
+        assert eager_state.keys() == graph_state.keys()
+        for key in eager_state:
+            assert torch.equal(eager_state[key], graph_state[key]), f"optimizer state {key} differs"
+    return captured
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_builtin_step_reproduces_eager_exactly_adamw(name):
+    assert_same_as_eager(builtin_workload(name, optimizer="adamw"))
+
+
+@pytest.mark.parametrize("name,optimizer", [("mlp", "sgd"), ("cnn", "sgd"), ("gpt2-tiny", "adam"), ("cnn", "adam")])
+def test_builtin_step_reproduces_eager_exactly_other_optimizers(name, optimizer):
+    assert_same_as_eager(builtin_workload(name, optimizer=optimizer))
+
+
+OPTIMIZER_VARIANTS = {
+    "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01),
+    "sgd-maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, maximize=True),
+    "adam-wd-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "adam-foreach": lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.95), foreach=True),
+    "adamw-maximize": lambda p: torch.optim.AdamW(p, lr=1e-2, maximize=True, eps=1e-6),
+    "adamw-groups": lambda p: torch.optim.AdamW(
+        [{"params": (params := list(p))[:2], "lr": 1e-3, "weight_decay": 0.0}, {"params": params[2:]}], lr=1e-2
+    ),
+}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 12)
+        self.drop = torch.nn.Dropout(0.25)
+        self.norm = torch.nn.BatchNorm1d(12)
+        self.fc2 = torch.nn.Linear(12, 3)
+
+    def forward(self, x):  # (B, 6) -> (B, 3)
+        return self.fc2(torch.relu(self.norm(self.drop(self.fc1(x)))))
+
+
+def net_workload(optimizer):
+    torch.manual_seed(0)
+    model = Net()
+    batch = {"x": torch.randn(9, 6), "y": torch.randn(9, 3)}
+    return metadist.Workload(
+        model=model, batch=batch, optimizer=optimizer,
+        loss_fn=lambda model, batch: torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]),
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(OPTIMIZER_VARIANTS))
+def test_functional_optimizers_match_torch_eager_bit_for_bit(variant):
+    assert_same_as_eager(net_workload(OPTIMIZER_VARIANTS[variant]))
+
+
+def test_graph_is_one_functional_graph_with_roles_and_links():
+    workload = builtin_workload("gpt2-tiny")
+    optimizer = workload.optimizer(workload.model.parameters())
+    captured = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, keep_grads=True)
+    graph = captured.graph
+    targets = {node.op.target for node in graph.nodes}
+    assert not [t for t in targets if t.split(".")[1].endswith("_")], "in-place ops left in the graph"
+    assert "aten.mm.default" in targets and "aten.embedding_dense_backward.default" in targets  # backward is in
+    assert "aten.lerp.Scalar" in targets  # the AdamW update is in
+    # tied weights: lm_head.weight is transformer.wte.weight, one parameter
+    params = {graph_input.source for graph_input in graph.inputs_by_role(Role.PARAM)}
+    assert "transformer.wte.weight" in params and "lm_head.weight" not in params
+    assert len(params) == len(list(workload.model.parameters()))
+    # every parameter and optimizer state is replaced by exactly one output
+    replaced = [out.replaces for out in graph.outputs if out.replaces]
+    state_inputs = [i.value.name for i in graph.inputs if i.role in (Role.PARAM, Role.OPTIM_STATE)]
+    assert sorted(replaced) == sorted(state_inputs)
+    assert [out.role for out in graph.outputs].count(Role.LOSS) == 1
+    assert len(graph.outputs_by_role(Role.GRAD)) == len(params)
+    # dropout is a random op in the graph, not a baked-in mask
+    random_nodes = [node for node in graph.nodes if node.op.is_random]
+    assert random_nodes and all(node.op.target == "aten.bernoulli.p" for node in random_nodes)
+    # the batch is a graph input with its role
+    assert {i.source for i in graph.inputs_by_role(Role.BATCH)} == {".input_ids", ".labels"}
+
+
+def test_buffers_updated_in_place_become_state_outputs():
+    workload = builtin_workload("cnn")
+    optimizer = workload.optimizer(workload.model.parameters())
+    graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch).graph
+    buffers = {i.value.name for i in graph.inputs_by_role(Role.BUFFER)}
+    assert any(name.endswith("running_mean") for name in buffers)
+    assert buffers == {out.replaces for out in graph.outputs_by_role(Role.BUFFER)}
+
+
+def test_capture_changes_nothing_of_the_users_objects():
+    workload = builtin_workload("mlp")
+    before = copy.deepcopy(workload.model.state_dict())
+    optimizer = workload.optimizer(workload.model.parameters())
+    capture_step(workload.train_step(), workload.model, optimizer, workload.batch)
+    assert all(torch.equal(before[k], v) for k, v in workload.model.state_dict().items())
+    assert len(optimizer.state) == 0
+    assert "step" not in optimizer.__dict__ and "zero_grad" not in optimizer.__dict__
+
+
+def test_graph_json_round_trip_for_a_real_step():
+    workload = builtin_workload("llama-tiny")
+    optimizer = workload.optimizer(workload.model.parameters())
+    graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch).graph
+    again = graph_from_json(graph_to_json(graph))
+    assert again == graph and again.to_text() == graph.to_text()
+
+
+def test_meta_models_capture_with_fake_tensors_and_refuse_to_run():
+    workload = builtin_workload("gpt2-small", batch_size=2, seq_len=64)
+    optimizer = workload.optimizer(workload.model.parameters())
+    captured = capture_step(workload.train_step(), workload.model, optimizer, workload.batch)
+    assert 120e6 < captured.graph.parameter_count() < 130e6
+    with pytest.raises(CaptureError, match="meta device"):
+        captured.gather_inputs(workload.model, optimizer, workload.batch)
+
+
+# -- bad input -------------------------------------------------------------------
+
+
+def simple():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), {"x": torch.randn(3, 4)}
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    model, optimizer, batch = simple()
+
+    def step(model, optimizer, batch):
+        loss = model(batch["x"]).sum()
+        if loss > 0:  # a Python decision on a tensor's value
+            loss = loss * 2
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(CaptureError, match="data-dependent") as info:
+        capture_step(step, model, optimizer, batch)
+    assert "test_torch_capture.py" in str(info.value)  # points at the user's line
+
+
+def test_batch_that_is_not_tensors_is_a_clear_error():
+    model, optimizer, _ = simple()
+    with pytest.raises(CaptureError, match=r"batch holds a int at batch\['n'\]"):
+        capture_step(lambda m, o, b: m(b["x"]).sum(), model, optimizer, {"x": torch.randn(3, 4), "n": 3})
+
+
+def test_unsupported_optimizer_is_a_clear_error():
+    model, _, batch = simple()
+    with pytest.raises(CaptureError, match="cannot be captured.*SGD, torch.optim.Adam"):
+        capture_step(lambda m, o, b: m(b["x"]).sum(), model, torch.optim.RMSprop(model.parameters()), batch)
+    with pytest.raises(CaptureError, match="fused=True"):
+        capture_step(lambda m, o, b: m(b["x"]).sum(), model, torch.optim.Adam(model.parameters(), fused=True), batch)
+
+
+def test_non_module_model_and_stale_gradients_are_clear_errors():
+    model, optimizer, batch = simple()
+    with pytest.raises(CaptureError, match="torch.nn.Module"):
+        capture_step(lambda m, o, b: None, object(), optimizer, batch)
+    model(batch["x"]).sum().backward()
+    with pytest.raises(CaptureError, match="already holds a gradient"):
+        capture_step(lambda m, o, b: m(b["x"]).sum(), model, optimizer, batch)
+
+
+def test_user_exception_points_at_user_code():
+    model, optimizer, batch = simple()
+
+    def step(model, optimizer, batch):
+        return model(batch["x"].t()).sum()  # wrong shape
+
+    with pytest.raises(CaptureError, match="failed while being traced.*test_torch_capture.py") as info:
+        capture_step(step, model, optimizer, batch)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_step_returning_non_tensor_is_a_clear_error():
+    model, optimizer, batch = simple()
+    with pytest.raises(CaptureError, match="may return tensors only"):
+        capture_step(lambda m, o, b: (m(b["x"]).sum(), "done"), model, optimizer, batch)
+
+
+def test_public_api_capture_returns_the_graph():
+    model, optimizer, batch = simple()
+    graph = metadist.capture(lambda m, o, b: m(b["x"]).sum(), model, optimizer, batch)
+    assert isinstance(graph, metadist.Graph)
+    assert graph.outputs[0].role is Role.LOSS
