@@ -1,0 +1,1 @@
+"""Benchmarks: committed commands that print their figures (run with python -m metadist.bench.<name>)."""

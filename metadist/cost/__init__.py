@@ -1,0 +1,24 @@
+"""The cost model: compute (roofline), communication (alpha-beta collectives), memory (liveness).
+
+Framework-free: imports neither torch nor jax (the calibration worker, run by torchrun, is
+the one exception and is never imported from here).
+"""
+
+from .cluster import (
+    DEFAULT_PRESET,
+    PRESETS,
+    Cluster,
+    ClusterError,
+    Device,
+    Link,
+    Machine,
+    cluster_for,
+    load_cluster,
+    resolve_cluster,
+)
+from .comm import Collective, Resharding, collective_seconds, reshard
+from .compute import Work, compute_seconds, node_work, split_degree
+from .memory import Liveness, ValueLife, liveness
+from .sharding import is_divisible, local_nbytes, shard_divisor
+
+__all__ = [name for name in dir() if not name.startswith("_")]

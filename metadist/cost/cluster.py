@@ -1,0 +1,186 @@
+"""The cluster the cost model prices a plan on: a mesh, one link per mesh axis, one device kind.
+
+A :class:`Cluster` is frozen data. Presets describe common machines; :func:`cluster_for`
+builds one for a given mesh (a multi-node preset puts the innermost axes that fit in one
+node on the fast intra-node link and the others on the slow inter-node link).
+``metadist calibrate`` measures this machine and writes a cluster JSON that
+:func:`load_cluster` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..ir import Mesh
+
+CLUSTER_FORMAT = "metadist.cluster"
+CLUSTER_FORMAT_VERSION = 1
+
+
+class ClusterError(ValueError):
+    """A cluster description is malformed or does not fit the mesh."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """The link devices along one mesh axis talk over (alpha-beta model)."""
+
+    bandwidth_bytes_per_s: float
+    """Bus bandwidth one device sees in a ring collective (beta = 1 / bandwidth)."""
+    latency_s: float
+    """Per-message latency of one ring step (alpha)."""
+    name: str = ""
+    """What the link is (``nvlink``, ``infiniband``, ``gloo-loopback``...)."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0:
+            raise ClusterError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator (or CPU process): its roofline and its memory."""
+
+    peak_flops_per_s: float
+    """Peak arithmetic throughput for the training dtype."""
+    memory_bandwidth_bytes_per_s: float
+    """Device memory bandwidth (the roofline's other roof)."""
+    memory_capacity_bytes: float
+    """Device memory; the default per-device memory budget."""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if min(self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes) <= 0:
+            raise ClusterError(f"device figures must be positive, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A mesh of identical devices with one link per mesh axis."""
+
+    mesh: Mesh
+    device: Device
+    axis_links: tuple[Link, ...]
+    """One link per mesh axis, in mesh axis order."""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis_links", tuple(self.axis_links))
+        if len(self.axis_links) != self.mesh.ndim:
+            raise ClusterError(
+                f"cluster {self.name!r} has {len(self.axis_links)} axis links for a {self.mesh.ndim}-axis mesh {self.mesh}; "
+                "give one link per mesh axis"
+            )
+
+    def link(self, axis: int) -> Link:
+        return self.axis_links[axis]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": CLUSTER_FORMAT,
+            "version": CLUSTER_FORMAT_VERSION,
+            "name": self.name,
+            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "device": _fields(self.device),
+            "axis_links": [_fields(link) for link in self.axis_links],
+        }
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> "Cluster":
+        if data.get("format") != CLUSTER_FORMAT:
+            raise ClusterError(f"not a MetaDist cluster document (expected format {CLUSTER_FORMAT!r})")
+        try:
+            return Cluster(
+                name=data.get("name", ""),
+                mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
+                device=Device(**data["device"]),
+                axis_links=tuple(Link(**item) for item in data["axis_links"]),
+            )
+        except (KeyError, TypeError) as err:
+            raise ClusterError(f"malformed cluster document: {err}; write it with `metadist calibrate --json FILE`") from None
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """A preset: a device kind, devices per node, and the intra- and inter-node links."""
+
+    device: Device
+    devices_per_node: int
+    intra_node_link: Link
+    inter_node_link: Link
+    description: str
+
+
+A100 = Device(peak_flops_per_s=312e12, memory_bandwidth_bytes_per_s=2.0e12, memory_capacity_bytes=80e9, name="A100-80GB")
+H100 = Device(peak_flops_per_s=989e12, memory_bandwidth_bytes_per_s=3.35e12, memory_capacity_bytes=80e9, name="H100-80GB")
+NVLINK3 = Link(bandwidth_bytes_per_s=240e9, latency_s=8e-6, name="nvlink3")
+NVLINK4 = Link(bandwidth_bytes_per_s=370e9, latency_s=6e-6, name="nvlink4")
+INFINIBAND_NDR = Link(bandwidth_bytes_per_s=45e9, latency_s=15e-6, name="infiniband-ndr")
+GLOO_LOOPBACK = Link(bandwidth_bytes_per_s=2e9, latency_s=60e-6, name="gloo-loopback")
+CPU_CORE = Device(peak_flops_per_s=50e9, memory_bandwidth_bytes_per_s=10e9, memory_capacity_bytes=16e9, name="cpu")
+
+PRESETS: Mapping[str, Machine] = {
+    "a100x8": Machine(device=A100, devices_per_node=8, intra_node_link=NVLINK3, inter_node_link=INFINIBAND_NDR,
+                      description="one node of 8 A100s over NVLink (more devices: nodes over InfiniBand)"),
+    "h100x8": Machine(device=H100, devices_per_node=8, intra_node_link=NVLINK4, inter_node_link=INFINIBAND_NDR,
+                      description="one node of 8 H100s over NVLink (more devices: nodes over InfiniBand)"),
+    "h100-ib": Machine(device=H100, devices_per_node=8, intra_node_link=NVLINK4, inter_node_link=INFINIBAND_NDR,
+                       description="nodes of 8 H100s: NVLink inside a node, InfiniBand between nodes"),
+    "cpu-gloo": Machine(device=CPU_CORE, devices_per_node=1 << 20, intra_node_link=GLOO_LOOPBACK,
+                        inter_node_link=GLOO_LOOPBACK, description="processes on this CPU talking over gloo"),
+}
+DEFAULT_PRESET = "h100-ib"
+
+
+def cluster_for(preset: str, mesh: Mesh) -> Cluster:
+    """The preset ``preset`` laid over ``mesh``: innermost axes inside a node take the fast link."""
+    try:
+        machine = PRESETS[preset]
+    except KeyError:
+        raise ClusterError(f"unknown cluster preset {preset!r}; presets are {sorted(PRESETS)}, or pass a cluster JSON file") from None
+    links: list[Link] = []
+    devices_inside = 1
+    for size in reversed(mesh.shape):
+        devices_inside *= size
+        links.append(machine.intra_node_link if devices_inside <= machine.devices_per_node else machine.inter_node_link)
+    return Cluster(mesh=mesh, device=machine.device, axis_links=tuple(reversed(links)), name=preset)
+
+
+def load_cluster(path: str | Path, mesh: Mesh | None = None) -> Cluster:
+    """Read a cluster JSON file; with ``mesh``, re-lay its links over that mesh (same axis count)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ClusterError(f"cannot read cluster file {path}: {err}") from None
+    cluster = Cluster.from_dict(data)
+    if mesh is None or mesh == cluster.mesh:
+        return cluster
+    if mesh.ndim == cluster.mesh.ndim:
+        return replace(cluster, mesh=mesh)
+    if cluster.mesh.ndim == 1:
+        return replace(cluster, mesh=mesh, axis_links=(cluster.axis_links[0],) * mesh.ndim)
+    raise ClusterError(
+        f"cluster file {path} describes a {cluster.mesh.ndim}-axis mesh {cluster.mesh}, not {mesh}; "
+        "calibrate with the same --mesh, or pass a preset"
+    )
+
+
+def resolve_cluster(spec: str | None, mesh: Mesh) -> Cluster:
+    """A preset name or a JSON file path (the CLI's ``--cluster``); None takes the default preset."""
+    if spec is None:
+        return cluster_for(DEFAULT_PRESET, mesh)
+    if spec in PRESETS:
+        return cluster_for(spec, mesh)
+    if Path(spec).is_file():
+        return load_cluster(spec, mesh)
+    raise ClusterError(f"--cluster {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing JSON file")

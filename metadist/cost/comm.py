@@ -1,0 +1,108 @@
+"""Communication cost: the collectives that move a value between two shardings.
+
+Each mesh axis whose placement changes runs one collective over the devices along that axis,
+priced with the alpha-beta model of that axis's link and the ring formulas
+(``n`` devices on the axis, ``B`` bytes of the local buffer before the step):
+
+=====================  ===================  =====================================================
+transition             collective           time
+=====================  ===================  =====================================================
+Replicate -> Shard     local slice          0
+Replicate -> Partial   local (zero others)  0
+Shard(i) -> Replicate  all-gather           (n-1) alpha + (n-1) B / bw
+Partial -> Replicate   all-reduce           2 (n-1) alpha + 2 (n-1)/n B / bw
+Partial -> Shard(i)    reduce-scatter       (n-1) alpha + (n-1)/n B / bw
+Shard(i) -> Shard(j)   all-to-all           (n-1) alpha + (n-1)/n B / bw
+Shard(i) -> Partial    all-gather           as Shard -> Replicate
+=====================  ===================  =====================================================
+
+Axes that shrink the buffer (to Shard) go first, then the gathers and all-reduces, so that
+each collective moves as little as possible (the order DTensor's redistribute favours).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..ir import Partial, Replicate, Shard, TensorSpec
+from .cluster import Cluster, Link
+from .sharding import local_nbytes
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective on one mesh axis."""
+
+    kind: str
+    """``all_gather``, ``all_reduce``, ``reduce_scatter`` or ``all_to_all``."""
+    axis: int
+    comm_bytes: float
+    """Bytes each device sends over the axis's link."""
+    comm_s: float
+
+
+@dataclass(frozen=True)
+class Resharding:
+    """The collectives of one resharding and their total time."""
+
+    collectives: tuple[Collective, ...] = field(default_factory=tuple)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(item.comm_s for item in self.collectives)
+
+
+NO_RESHARDING = Resharding()
+
+
+def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Link) -> tuple[float, float]:
+    """(time, bytes sent per device) of one ring collective on ``axis_size`` devices.
+
+    ``buffer_bytes`` is the local buffer before the collective (a shard for all-gather).
+    """
+    n = axis_size
+    if n <= 1:
+        return 0.0, 0.0
+    if kind == "all_gather":
+        sent = (n - 1) * buffer_bytes
+        return (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent
+    if kind == "all_reduce":
+        sent = 2 * (n - 1) / n * buffer_bytes
+        return 2 * (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent
+    if kind in ("reduce_scatter", "all_to_all"):
+        sent = (n - 1) / n * buffer_bytes
+        return (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _collective_kind(src, dst) -> str | None:
+    if src == dst or isinstance(src, Replicate):
+        return None  # unchanged, or a free local slice / zeroing
+    if isinstance(src, Shard):
+        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
+    if isinstance(src, Partial):
+        if isinstance(dst, Shard):
+            return "reduce_scatter"
+        return "all_reduce"
+    raise ValueError(f"unknown placement {src!r}")
+
+
+def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster) -> Resharding:
+    """The collectives that move a value of ``spec`` from sharding ``src`` to ``dst``."""
+    if tuple(src) == tuple(dst):
+        return NO_RESHARDING
+    mesh = cluster.mesh
+    current = list(src)
+    shrinking = [axis for axis in range(mesh.ndim) if src[axis] != dst[axis] and isinstance(dst[axis], Shard)]
+    growing = [axis for axis in range(mesh.ndim) if src[axis] != dst[axis] and not isinstance(dst[axis], Shard)]
+    collectives = []
+    for axis in shrinking + growing:
+        kind = _collective_kind(current[axis], dst[axis])
+        buffer_bytes = local_nbytes(spec, current, mesh)
+        current[axis] = dst[axis]
+        if kind is None:
+            continue
+        seconds, sent = collective_seconds(kind, buffer_bytes, mesh.shape[axis], cluster.link(axis))
+        collectives.append(Collective(kind=kind, axis=axis, comm_bytes=sent, comm_s=seconds))
+    return Resharding(tuple(collectives))

@@ -1,0 +1,117 @@
+"""Compute cost: roofline time of one node's LOCAL work under a strategy.
+
+FLOPs are estimated per op family from the node's global shapes (matmuls, convolutions,
+attention); everything else is priced by the bytes it reads and writes. The local work of a
+strategy divides the FLOPs by the number of devices the iteration space is split over (the
+axes that take a factor), and counts the bytes of the local shards the strategy reads and
+writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``.
+View ops alias their input and cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..ir import Graph, Mesh, Node, TensorSpec
+from ..ir.plan import NodeStrategy
+from .cluster import Device
+from .sharding import local_nbytes
+
+Shapes = Sequence[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Work:
+    """The global work of one node."""
+
+    flops: float
+    """Floating-point operations of the whole (unsharded) node."""
+    is_view: bool = False
+    """The output aliases an input: no work, no bytes."""
+
+
+def _prod(values: Sequence[int]) -> int:
+    total = 1
+    for value in values:
+        total *= value
+    return total
+
+
+def _mm_flops(ins: Shapes, outs: Shapes) -> float:  # [M, K] x [K, N]
+    return 2.0 * _prod(outs[0]) * ins[-2][-1]
+
+
+def _bmm_flops(ins: Shapes, outs: Shapes) -> float:  # [B, M, K] x [B, K, N]
+    return 2.0 * _prod(outs[0]) * ins[-2][-1]
+
+
+def _conv_flops(ins: Shapes, outs: Shapes) -> float:  # weight [C_out, C_in / groups, *kernel]
+    return 2.0 * _prod(outs[0]) * _prod(ins[1][1:])
+
+
+def _conv_backward_flops(ins: Shapes, outs: Shapes) -> float:  # grad_out, input, weight
+    return 4.0 * _prod(ins[0]) * _prod(ins[2][1:])
+
+
+def _attention_flops(ins: Shapes, outs: Shapes) -> float:  # q [B, H, L, D], k [B, H, S, D]
+    query, key = ins[0], ins[1]
+    return 4.0 * _prod(query[:-1]) * key[-2] * query[-1]
+
+
+_FLOPS: dict[str, Callable[[Shapes, Shapes], float]] = {
+    "aten.mm.default": _mm_flops,
+    "aten.addmm.default": _mm_flops,
+    "aten.bmm.default": _bmm_flops,
+    "aten.baddbmm.default": _bmm_flops,
+    "aten.convolution.default": _conv_flops,
+    "aten.convolution_backward.default": _conv_backward_flops,
+    "aten._scaled_dot_product_efficient_attention.default": _attention_flops,
+    "aten._scaled_dot_product_flash_attention.default": _attention_flops,
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": _attention_flops,
+}
+
+
+def node_work(graph: Graph, node: Node) -> Work:
+    """FLOPs of the whole node: a per-family formula, else one FLOP per output element."""
+    if node.op.is_view:
+        return Work(flops=0.0, is_view=True)
+    ins = [graph.value(name).spec.shape for name in node.input_names]
+    outs = [value.spec.shape for value in node.output_values]
+    formula = _FLOPS.get(node.op.target)
+    if formula is not None and outs:
+        try:
+            return Work(flops=formula(ins, outs))
+        except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
+            pass
+    return Work(flops=float(sum(_prod(shape) for shape in outs)))
+
+
+def split_degree(strategy: NodeStrategy, mesh: Mesh) -> int:
+    """How many pieces the node's iteration space is cut into: product of the axes taking a factor."""
+    degree = 1
+    for axis, choice in enumerate(strategy.choices):
+        if choice.kind == "factor":
+            degree *= mesh.shape[axis]
+    return degree
+
+
+def compute_seconds(
+    work: Work,
+    input_specs: Sequence[TensorSpec],
+    output_specs: Sequence[TensorSpec | None],
+    strategy: NodeStrategy,
+    mesh: Mesh,
+    device: Device,
+) -> float:
+    """Roofline time of the node's local work under ``strategy`` (seconds)."""
+    if work.is_view:
+        return 0.0
+    flops = work.flops / split_degree(strategy, mesh)
+    memory_bytes = sum(local_nbytes(spec, sharding, mesh) for spec, sharding in zip(input_specs, strategy.inputs))
+    memory_bytes += sum(
+        local_nbytes(spec, sharding, mesh)
+        for spec, sharding in zip(output_specs, strategy.outputs)
+        if spec is not None and sharding is not None
+    )
+    return max(flops / device.peak_flops_per_s, memory_bytes / device.memory_bandwidth_bytes_per_s)

@@ -1,0 +1,208 @@
+"""Resharding: the collectives that move a value from one sharding to another.
+
+:func:`plan_resharding` lists, for one value, the per-axis steps that take it
+from ``source`` to ``target`` sharding on an N-D mesh. Dims sharded by several
+axes nest in axis order (axis 0 outermost), so order matters; the steps run in
+three phases:
+
+1. **Un-shard**, last axis first: an axis whose ``Shard(d)`` is not part of the
+   longest common prefix of the axes sharding ``d`` in both shardings is
+   all-gathered (or, when it is the only axis involved with either dim,
+   exchanged in one all-to-all ``Shard(i) -> Shard(j)``).
+2. **Reduce**, per axis: ``Partial(op) -> Replicate`` all-reduces;
+   ``Partial(op) -> Shard(d)`` reduce-scatters when that axis alone shards ``d``
+   (else all-reduce, then slice in phase 3); ``Partial(op)`` to the same
+   ``Partial(op)`` stays as it is.
+3. **Shard**, first axis first: ``Replicate -> Shard(d)`` takes the rank's slice
+   locally (no communication); ``Replicate -> Partial(sum)`` keeps the value on
+   coordinate 0 of the axis and zeros elsewhere (``max``/``min``: nothing to do).
+
+``comm_bytes`` is what one rank sends (= receives) on the ring algorithms:
+all-gather ``(k-1)/k`` of the gathered output, reduce-scatter ``(k-1)/k`` of
+the input, all-reduce ``2(k-1)/k`` of the tensor, all-to-all ``(k-1)/k`` of the
+tensor; the runtime counts executed collectives the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..ir import Mesh, Partial, Replicate, Shard, format_sharding
+from .errors import LoweringError
+from .shapes import local_shape
+
+__all__ = ["ReshardStep", "plan_resharding", "comm_bytes", "COLLECTIVE_KINDS"]
+
+#: Step kinds that communicate; ``local_slice`` and ``zero_partial`` do not.
+COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """One step of a resharding, on one mesh axis.
+
+    ``dim`` is the dim gathered (all_gather), scattered (reduce_scatter), sliced
+    (local_slice) or gathered by an all-to-all, whose ``split_dim`` is the dim it
+    scatters. ``coordinate`` is this rank's coordinate on ``axis`` (local ops).
+    """
+
+    kind: str
+    axis: int
+    axis_size: int
+    dim: int | None
+    split_dim: int | None
+    op: str | None
+    coordinate: int
+    local_shape_in: tuple[int, ...]
+    local_shape_out: tuple[int, ...]
+    comm_bytes: int
+    """Bytes this rank sends on the ring algorithm (0 for local steps)."""
+
+    def __str__(self) -> str:
+        detail = {"all_gather": f"dim {self.dim}", "reduce_scatter": f"{self.op}, dim {self.dim}",
+                  "all_reduce": f"{self.op}", "all_to_all": f"dim {self.dim} -> {self.split_dim}",
+                  "local_slice": f"dim {self.dim}", "zero_partial": "sum"}[self.kind]
+        return f"{self.kind}(axis {self.axis}, {detail}) {list(self.local_shape_in)} -> {list(self.local_shape_out)}"
+
+
+def comm_bytes(kind: str, axis_size: int, bytes_in: int, bytes_out: int) -> int:
+    """Bytes one rank sends for a collective of ``kind`` on an axis of ``axis_size`` ranks."""
+    k = axis_size
+    if kind == "all_gather":
+        return bytes_out * (k - 1) // k
+    if kind == "reduce_scatter":
+        return bytes_in * (k - 1) // k
+    if kind == "all_reduce":
+        return 2 * bytes_in * (k - 1) // k
+    if kind == "all_to_all":
+        return bytes_in * (k - 1) // k
+    return 0
+
+
+def _axes_sharding(sharding: Sequence, dim: int) -> list[int]:
+    return [axis for axis, placement in enumerate(sharding) if placement == Shard(dim)]
+
+
+def _common_prefix(first: list[int], second: list[int]) -> list[int]:
+    prefix = []
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        prefix.append(a)
+    return prefix
+
+
+class _Builder:
+    """Tracks the current sharding while steps are appended."""
+
+    def __init__(self, shape, itemsize, source, mesh, coords, what) -> None:
+        self.shape, self.itemsize, self.mesh, self.coords, self.what = tuple(shape), itemsize, mesh, coords, what
+        self.current = list(source)
+        self.steps: list[ReshardStep] = []
+
+    def local(self, sharding) -> tuple[int, ...]:
+        return local_shape(self.shape, sharding, self.mesh, what=self.what)
+
+    def emit(self, kind, axis, placement, *, dim=None, split_dim=None, op=None) -> None:
+        before = self.local(self.current)
+        self.current[axis] = placement
+        after = self.local(self.current)
+        nbytes_in, nbytes_out = _numel(before) * self.itemsize, _numel(after) * self.itemsize
+        self.steps.append(ReshardStep(
+            kind=kind, axis=axis, axis_size=self.mesh.shape[axis], dim=dim, split_dim=split_dim, op=op,
+            coordinate=self.coords[axis], local_shape_in=before, local_shape_out=after,
+            comm_bytes=comm_bytes(kind, self.mesh.shape[axis], nbytes_in, nbytes_out),
+        ))
+
+
+def plan_resharding(
+    global_shape: Sequence[int],
+    itemsize: int,
+    source: Sequence,
+    target: Sequence,
+    mesh: Mesh,
+    coords: Sequence[int],
+    *,
+    what: str = "a value",
+) -> tuple[ReshardStep, ...]:
+    """The steps that take a tensor of ``global_shape`` from ``source`` to ``target`` sharding."""
+    source, target = tuple(source), tuple(target)
+    if source == target:
+        return ()
+    build = _Builder(global_shape, itemsize, source, mesh, coords, what)
+    build.local(target)  # reject an uneven target before any step
+    _unshard(build, source, target)
+    _reduce(build, target)
+    _shard(build, target)
+    if tuple(build.current) != target:  # pragma: no cover - the phases cover every placement pair
+        raise LoweringError(
+            f"internal: resharding {what} from {format_sharding(source)} to {format_sharding(target)} "
+            f"ended at {format_sharding(tuple(build.current))}"
+        )
+    return tuple(build.steps)
+
+
+def _unshard(build: _Builder, source: tuple, target: tuple) -> None:
+    dims = {p.dim for p in source + target if isinstance(p, Shard)}
+    kept: set[int] = set()
+    for dim in dims:
+        kept |= set(_common_prefix(_axes_sharding(source, dim), _axes_sharding(target, dim)))
+    for axis in reversed(range(len(source))):
+        placement = build.current[axis]
+        if not isinstance(placement, Shard) or axis in kept:
+            continue
+        wanted = target[axis]
+        if isinstance(wanted, Shard) and wanted.dim != placement.dim and _alone(source, target, axis, placement.dim, wanted.dim):
+            build.emit("all_to_all", axis, wanted, dim=placement.dim, split_dim=wanted.dim)
+        else:
+            build.emit("all_gather", axis, Replicate(), dim=placement.dim)
+
+
+def _alone(source: tuple, target: tuple, axis: int, gather_dim: int, split_dim: int) -> bool:
+    """True when ``axis`` is the only axis that shards either dim, before and after."""
+    return (
+        _axes_sharding(source, gather_dim) == [axis]
+        and _axes_sharding(target, gather_dim) == []
+        and _axes_sharding(source, split_dim) == []
+        and _axes_sharding(target, split_dim) == [axis]
+    )
+
+
+def _reduce(build: _Builder, target: tuple) -> None:
+    for axis, placement in enumerate(list(build.current)):
+        if not isinstance(placement, Partial):
+            continue
+        wanted = target[axis]
+        if wanted == placement:
+            continue
+        if (
+            isinstance(wanted, Shard)
+            and _axes_sharding(build.current, wanted.dim) == []
+            and _axes_sharding(target, wanted.dim) == [axis]
+        ):
+            build.emit("reduce_scatter", axis, wanted, dim=wanted.dim, op=placement.op)
+        else:
+            build.emit("all_reduce", axis, Replicate(), op=placement.op)
+
+
+def _shard(build: _Builder, target: tuple) -> None:
+    for axis, wanted in enumerate(target):
+        placement = build.current[axis]
+        if placement == wanted:
+            continue
+        if not isinstance(placement, Replicate):  # pragma: no cover - phases 1 and 2 leave Replicate
+            raise LoweringError(f"internal: cannot go from {placement} to {wanted} on axis {axis}")
+        if isinstance(wanted, Shard):
+            build.emit("local_slice", axis, wanted, dim=wanted.dim)
+        elif wanted.op == "sum":
+            build.emit("zero_partial", axis, wanted, op="sum")
+        else:
+            build.current[axis] = wanted  # a replicated value is already a valid Partial(max/min)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

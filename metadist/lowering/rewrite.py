@@ -1,0 +1,151 @@
+"""Rewrite the shape-carrying arguments of one node for its local shards.
+
+Most ops need nothing: they read shapes from their inputs. Ops that carry
+sizes in their arguments get the local sizes (view/reshape/expand sizes,
+factory sizes); ``arange`` on a sharded dim starts at this rank's offset;
+ops that index into a dim (slice, select, narrow, split, pad) must see that
+dim unsharded unless they take all of it. Random ops are handled apart (see
+:mod:`.program`): they draw the global tensor and keep this rank's slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..ir import Mesh, Node, Shard, TensorSpec
+from .errors import LoweringError
+from .shapes import contiguous_strides, shard_offset
+
+__all__ = ["NodeContext", "rewrite_node_args"]
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What rewriting one node needs: its shardings and shapes, global and local."""
+
+    node: Node
+    input_specs: tuple[TensorSpec, ...]
+    input_shardings: tuple[tuple, ...]
+    output_specs: tuple[TensorSpec | None, ...]
+    output_shardings: tuple[tuple | None, ...]
+    output_local_shapes: tuple[tuple[int, ...] | None, ...]
+    mesh: Mesh
+    coords: tuple[int, ...]
+
+
+Rewrite = Callable[[NodeContext, list, dict], tuple[str, list, dict]]
+
+
+def _replace_arg(position: int) -> Rewrite:
+    """The size argument at ``position`` becomes the local output shape."""
+
+    def rewrite(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+        args[position] = tuple(ctx.output_local_shapes[0])
+        return ctx.node.op.target, args, kwargs
+
+    return rewrite
+
+
+def _empty_strided(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    args[0] = tuple(ctx.output_local_shapes[0])
+    args[1] = contiguous_strides(args[0])
+    return ctx.node.op.target, args, kwargs
+
+
+def _arange(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    sharding = ctx.output_shardings[0]
+    if not any(isinstance(placement, Shard) for placement in sharding):
+        return ctx.node.op.target, args, kwargs
+    target = ctx.node.op.target
+    if target == "aten.arange.default":
+        start, step = 0, 1
+    elif target == "aten.arange.start":
+        start, step = args[0], 1
+    elif target == "aten.arange.start_step":
+        start, step = args[0], args[2]
+    else:
+        raise LoweringError(f"node {ctx.node.name!r}: {target} on a sharded dim is not supported; replicate it")
+    spec = ctx.output_specs[0]
+    offset = shard_offset(spec.shape, sharding, ctx.mesh, ctx.coords, 0)
+    length = ctx.output_local_shapes[0][0]
+    return "aten.arange.start_step", [start + offset * step, start + (offset + length) * step, step], kwargs
+
+
+def _indexing(dim_position: int, full: Callable[[list, int], bool]) -> Rewrite:
+    """Ops that index into one dim: fine unless that dim is sharded and the op does not take all of it."""
+
+    def rewrite(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+        spec, sharding = ctx.input_specs[0], ctx.input_shardings[0]
+        dim = args[dim_position] if len(args) > dim_position else 0
+        dim = dim + spec.rank if dim < 0 else dim
+        axes = [axis for axis, placement in enumerate(sharding) if placement == Shard(dim)]
+        if axes and not full(args, spec.shape[dim]):
+            names = ", ".join(repr(ctx.mesh.axis_names[axis]) for axis in axes)
+            raise LoweringError(
+                f"node {ctx.node.name!r} ({ctx.node.op.target}) indexes into dim {dim} of %{ctx.node.input_names[0]}, "
+                f"which the plan shards over mesh axis {names}: the op needs that dim whole. "
+                "Plan with a rule that replicates this input's dim (the rule database may be stale)"
+            )
+        return ctx.node.op.target, args, kwargs
+
+    return rewrite
+
+
+def _slice_is_full(args: list, size: int) -> bool:
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    return (start in (None, 0)) and (end is None or end >= size) and step == 1
+
+
+def _never_full(args: list, size: int) -> bool:
+    return False
+
+
+def _pad(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    spec, sharding = ctx.input_specs[0], ctx.input_shardings[0]
+    pads = args[1]
+    for index in range(0, len(pads), 2):
+        dim = spec.rank - 1 - index // 2
+        if (pads[index] or pads[index + 1]) and any(p == Shard(dim) for p in sharding):
+            raise LoweringError(
+                f"node {ctx.node.name!r} pads dim {dim}, which the plan shards; padding needs that dim whole"
+            )
+    return ctx.node.op.target, args, kwargs
+
+
+_REWRITES: dict[str, Rewrite] = {
+    "aten.view.default": _replace_arg(1),
+    "aten.reshape.default": _replace_arg(1),
+    "aten._unsafe_view.default": _replace_arg(1),
+    "aten.expand.default": _replace_arg(1),
+    "aten.full.default": _replace_arg(0),
+    "aten.zeros.default": _replace_arg(0),
+    "aten.ones.default": _replace_arg(0),
+    "aten.empty.memory_format": _replace_arg(0),
+    "aten.empty.default": _replace_arg(0),
+    "aten.new_ones.default": _replace_arg(1),
+    "aten.new_zeros.default": _replace_arg(1),
+    "aten.new_empty.default": _replace_arg(1),
+    "aten.new_full.default": _replace_arg(1),
+    "aten.empty_strided.default": _empty_strided,
+    "aten.arange.default": _arange,
+    "aten.arange.start": _arange,
+    "aten.arange.start_step": _arange,
+    "aten.slice.Tensor": _indexing(1, _slice_is_full),
+    "aten.select.int": _indexing(1, _never_full),
+    "aten.narrow.default": _indexing(1, _never_full),
+    "aten.split.Tensor": _indexing(2, _never_full),
+    "aten.split_with_sizes.default": _indexing(2, _never_full),
+    "aten.constant_pad_nd.default": _pad,
+}
+
+
+def rewrite_node_args(ctx: NodeContext, args: Sequence[Any], kwargs: dict) -> tuple[str, tuple, dict]:
+    """The node's target and arguments for its local shards (tensor references already renamed)."""
+    rewrite = _REWRITES.get(ctx.node.op.target)
+    if rewrite is None:
+        return ctx.node.op.target, tuple(args), kwargs
+    target, new_args, new_kwargs = rewrite(ctx, list(args), dict(kwargs))
+    return target, tuple(new_args), new_kwargs
