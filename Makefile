@@ -21,5 +21,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Benchmarks side by side (4 local gloo processes on CPU) and the simulated scale study;
+# regenerates docs/benchmarks.md and docs/img/*.png from the run's result files.
+bench: $(STAMP)
+	$(BIN)/python -m metadist.bench.suite --nproc 4
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -15,6 +15,11 @@ import sys
 #: Modules that define subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES = (
     "metadist.cli.capture",
+    "metadist.cli.plan",
+    "metadist.cli.calibrate",
+    "metadist.cli.rules",
+    "metadist.cli.run",
+    "metadist.cli.bench",
 )
 
 
@@ -22,7 +27,7 @@ class UsageError(Exception):
     """Bad input from the user; the message says what to change."""
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
+def user_error_types() -> tuple[type[BaseException], ...]:
     from ..ir import IRError, MeshError, PlacementError, RuleError
     from ..ir.plan import PlanError
     from ..workload import WorkloadError
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # only the user's errors are caught here; anything else propagates
-        if isinstance(err, _user_error_types()):
+        if isinstance(err, user_error_types()):
             print(f"metadist {args.command}: error: {err}", file=sys.stderr)
             return 2
         raise

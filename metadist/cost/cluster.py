@@ -32,11 +32,13 @@ class Link:
     """Bus bandwidth one device sees in a ring collective (beta = 1 / bandwidth)."""
     latency_s: float
     """Per-message latency of one ring step (alpha)."""
+    call_overhead_s: float = 0.0
+    """Fixed cost of launching and synchronizing one collective, whatever its size."""
     name: str = ""
     """What the link is (``nvlink``, ``infiniband``, ``gloo-loopback``...)."""
 
     def __post_init__(self) -> None:
-        if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0:
+        if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0:
             raise ClusterError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
 
 
@@ -123,10 +125,10 @@ class Machine:
 
 A100 = Device(peak_flops_per_s=312e12, memory_bandwidth_bytes_per_s=2.0e12, memory_capacity_bytes=80e9, name="A100-80GB")
 H100 = Device(peak_flops_per_s=989e12, memory_bandwidth_bytes_per_s=3.35e12, memory_capacity_bytes=80e9, name="H100-80GB")
-NVLINK3 = Link(bandwidth_bytes_per_s=240e9, latency_s=8e-6, name="nvlink3")
-NVLINK4 = Link(bandwidth_bytes_per_s=370e9, latency_s=6e-6, name="nvlink4")
-INFINIBAND_NDR = Link(bandwidth_bytes_per_s=45e9, latency_s=15e-6, name="infiniband-ndr")
-GLOO_LOOPBACK = Link(bandwidth_bytes_per_s=2e9, latency_s=60e-6, name="gloo-loopback")
+NVLINK3 = Link(bandwidth_bytes_per_s=240e9, latency_s=1.5e-6, call_overhead_s=8e-6, name="nvlink3")
+NVLINK4 = Link(bandwidth_bytes_per_s=370e9, latency_s=1e-6, call_overhead_s=8e-6, name="nvlink4")
+INFINIBAND_NDR = Link(bandwidth_bytes_per_s=45e9, latency_s=5e-6, call_overhead_s=12e-6, name="infiniband-ndr")
+GLOO_LOOPBACK = Link(bandwidth_bytes_per_s=2e9, latency_s=60e-6, call_overhead_s=50e-6, name="gloo-loopback")
 CPU_CORE = Device(peak_flops_per_s=50e9, memory_bandwidth_bytes_per_s=10e9, memory_capacity_bytes=16e9, name="cpu")
 
 PRESETS: Mapping[str, Machine] = {

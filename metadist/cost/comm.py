@@ -2,7 +2,8 @@
 
 Each mesh axis whose placement changes runs one collective over the devices along that axis,
 priced with the alpha-beta model of that axis's link and the ring formulas
-(``n`` devices on the axis, ``B`` bytes of the local buffer before the step):
+(``n`` devices on the axis, ``B`` bytes of the local buffer before the step), plus the link's
+fixed ``call_overhead_s`` per collective:
 
 =====================  ===================  =====================================================
 transition             collective           time
@@ -64,6 +65,11 @@ def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Lin
     n = axis_size
     if n <= 1:
         return 0.0, 0.0
+    seconds, sent = _ring(kind, buffer_bytes, n, link)
+    return link.call_overhead_s + seconds, sent
+
+
+def _ring(kind: str, buffer_bytes: float, n: int, link: Link) -> tuple[float, float]:
     if kind == "all_gather":
         sent = (n - 1) * buffer_bytes
         return (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent

@@ -59,17 +59,24 @@ def _attention_flops(ins: Shapes, outs: Shapes) -> float:  # q [B, H, L, D], k [
     return 4.0 * _prod(query[:-1]) * key[-2] * query[-1]
 
 
+#: FLOP formulas by op name (the target without namespace and overload: ``aten.mm.default`` -> ``mm``).
 _FLOPS: dict[str, Callable[[Shapes, Shapes], float]] = {
-    "aten.mm.default": _mm_flops,
-    "aten.addmm.default": _mm_flops,
-    "aten.bmm.default": _bmm_flops,
-    "aten.baddbmm.default": _bmm_flops,
-    "aten.convolution.default": _conv_flops,
-    "aten.convolution_backward.default": _conv_backward_flops,
-    "aten._scaled_dot_product_efficient_attention.default": _attention_flops,
-    "aten._scaled_dot_product_flash_attention.default": _attention_flops,
-    "aten._scaled_dot_product_flash_attention_for_cpu.default": _attention_flops,
+    "mm": _mm_flops,
+    "addmm": _mm_flops,
+    "bmm": _bmm_flops,
+    "baddbmm": _bmm_flops,
+    "convolution": _conv_flops,
+    "convolution_backward": _conv_backward_flops,
+    "_scaled_dot_product_efficient_attention": _attention_flops,
+    "_scaled_dot_product_flash_attention": _attention_flops,
+    "_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
 }
+
+
+def op_name(target: str) -> str:
+    """``aten.mm.default`` -> ``mm``; ``jax.lax.dot_general`` -> ``dot_general``."""
+    parts = target.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]
 
 
 def node_work(graph: Graph, node: Node) -> Work:
@@ -78,7 +85,7 @@ def node_work(graph: Graph, node: Node) -> Work:
         return Work(flops=0.0, is_view=True)
     ins = [graph.value(name).spec.shape for name in node.input_names]
     outs = [value.spec.shape for value in node.output_values]
-    formula = _FLOPS.get(node.op.target)
+    formula = _FLOPS.get(op_name(node.op.target))
     if formula is not None and outs:
         try:
             return Work(flops=formula(ins, outs))

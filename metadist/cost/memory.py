@@ -12,7 +12,7 @@ of a few **peaks**: the positions where the whole-tensor footprint peaks (local 
 the curve with every value replicated).
 
 Each value has a category for the memory breakdown: ``param``, ``optim_state``, ``grad``
-(read by an optimizer update next to an optimizer state), ``activation`` (made in the
+(a backward value read by the optimizer: by a node computed from optimizer state), ``activation`` (made in the
 forward pass and kept for the backward pass), ``batch``, ``buffer``, ``constant`` and
 ``transient`` (everything else).
 """
@@ -66,10 +66,12 @@ def _categories(graph: Graph, loss_position: int) -> dict[str, str]:
         category = "activation" if position <= loss_position else "transient"
         for value in node.output_values:
             categories[value.name] = category
+    tainted = set(optim_inputs)  # values computed from optimizer state: the optimizer's own work
     for node in graph.nodes:
-        if optim_inputs.intersection(node.input_names):
+        if tainted.intersection(node.input_names):
+            tainted.update(value.name for value in node.output_values)
             for name in node.input_names:
-                if categories.get(name) == "transient":
+                if name not in tainted and categories.get(name) == "transient":
                     categories[name] = "grad"
     roles = {graph_input.value.name: graph_input.role.value for graph_input in graph.inputs}
     for graph_output in graph.outputs:

@@ -13,7 +13,7 @@ no factor sits), then the non-concat outputs and options after ``|``::
 
     ab,bc->ac | b:sum                  # aten.mm
     a_,_,_->a_,a_,a_                   # layer norm over the last dim (mean, rstd too)
-    a_b,a_b->a_b | pass 0:sum 1:sum    # add, linear in both inputs
+    ab,bc->ac | b:sum | pass 0:sum 1:sum   # mm: a Partial(sum) operand passes through
 
 ``pass`` lists the :class:`PartialPass` entries: a ``Partial(op)`` input that
 may pass through to ``Partial(op)`` outputs with every other input replicated.

@@ -3,15 +3,16 @@
 :func:`plan_resharding` lists, for one value, the per-axis steps that take it
 from ``source`` to ``target`` sharding on an N-D mesh. Dims sharded by several
 axes nest in axis order (axis 0 outermost), so order matters; the steps run in
-three phases:
+three phases (2 and 3 interleave, first axis first):
 
 1. **Un-shard**, last axis first: an axis whose ``Shard(d)`` is not part of the
    longest common prefix of the axes sharding ``d`` in both shardings is
    all-gathered (or, when it is the only axis involved with either dim,
    exchanged in one all-to-all ``Shard(i) -> Shard(j)``).
 2. **Reduce**, per axis: ``Partial(op) -> Replicate`` all-reduces;
-   ``Partial(op) -> Shard(d)`` reduce-scatters when that axis alone shards ``d``
-   (else all-reduce, then slice in phase 3); ``Partial(op)`` to the same
+   ``Partial(op) -> Shard(d)`` reduce-scatters when the axes already sharding
+   ``d`` are exactly the target's axes before this one (else all-reduce, then
+   slice in phase 3); ``Partial(op)`` to the same
    ``Partial(op)`` stays as it is.
 3. **Shard**, first axis first: ``Replicate -> Shard(d)`` takes the rank's slice
    locally (no communication); ``Replicate -> Partial(sum)`` keeps the value on
@@ -133,8 +134,7 @@ def plan_resharding(
     build = _Builder(global_shape, itemsize, source, mesh, coords, what)
     build.local(target)  # reject an uneven target before any step
     _unshard(build, source, target)
-    _reduce(build, target)
-    _shard(build, target)
+    _reduce_and_shard(build, target)
     if tuple(build.current) != target:  # pragma: no cover - the phases cover every placement pair
         raise LoweringError(
             f"internal: resharding {what} from {format_sharding(source)} to {format_sharding(target)} "
@@ -169,30 +169,20 @@ def _alone(source: tuple, target: tuple, axis: int, gather_dim: int, split_dim: 
     )
 
 
-def _reduce(build: _Builder, target: tuple) -> None:
-    for axis, placement in enumerate(list(build.current)):
-        if not isinstance(placement, Partial):
-            continue
-        wanted = target[axis]
-        if wanted == placement:
-            continue
-        if (
-            isinstance(wanted, Shard)
-            and _axes_sharding(build.current, wanted.dim) == []
-            and _axes_sharding(target, wanted.dim) == [axis]
-        ):
-            build.emit("reduce_scatter", axis, wanted, dim=wanted.dim, op=placement.op)
-        else:
-            build.emit("all_reduce", axis, Replicate(), op=placement.op)
-
-
-def _shard(build: _Builder, target: tuple) -> None:
+def _reduce_and_shard(build: _Builder, target: tuple) -> None:
+    """Phases 2 and 3 in one pass, first axis first: slicing early makes later reductions smaller."""
     for axis, wanted in enumerate(target):
         placement = build.current[axis]
         if placement == wanted:
             continue
-        if not isinstance(placement, Replicate):  # pragma: no cover - phases 1 and 2 leave Replicate
-            raise LoweringError(f"internal: cannot go from {placement} to {wanted} on axis {axis}")
+        if isinstance(placement, Partial):
+            nested_before = [a for a in _axes_sharding(target, wanted.dim) if a < axis] if isinstance(wanted, Shard) else None
+            if isinstance(wanted, Shard) and _axes_sharding(build.current, wanted.dim) == nested_before:
+                build.emit("reduce_scatter", axis, wanted, dim=wanted.dim, op=placement.op)
+                continue
+            build.emit("all_reduce", axis, Replicate(), op=placement.op)
+        if build.current[axis] == wanted:
+            continue
         if isinstance(wanted, Shard):
             build.emit("local_slice", axis, wanted, dim=wanted.dim)
         elif wanted.op == "sum":

@@ -3,8 +3,11 @@
 Most ops need nothing: they read shapes from their inputs. Ops that carry
 sizes in their arguments get the local sizes (view/reshape/expand sizes,
 factory sizes); ``arange`` on a sharded dim starts at this rank's offset;
-ops that index into a dim (slice, select, narrow, split, pad) must see that
-dim unsharded unless they take all of it. Random ops are handled apart (see
+ops that index into a dim (slice, select, narrow, pad, slice/select
+backward) must see that dim unsharded unless they take all of it; split,
+layer norm and convolution backward follow the same rewrites ShardCombine's
+executor applied when it found their rules (so a rule means here what it
+meant there). Random ops are handled apart (see
 :mod:`.program`): they draw the global tensor and keep this rank's slice.
 """
 
@@ -27,6 +30,7 @@ class NodeContext:
     node: Node
     input_specs: tuple[TensorSpec, ...]
     input_shardings: tuple[tuple, ...]
+    input_local_shapes: tuple[tuple[int, ...], ...]
     output_specs: tuple[TensorSpec | None, ...]
     output_shardings: tuple[tuple | None, ...]
     output_local_shapes: tuple[tuple[int, ...] | None, ...]
@@ -103,6 +107,76 @@ def _never_full(args: list, size: int) -> bool:
     return False
 
 
+def _backward_sizes(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    """slice_backward/select_backward: ``input_sizes`` is the output's shape; its indexed dim must be whole."""
+    spec, sharding = ctx.output_specs[0], ctx.output_shardings[0]
+    dim = args[2] % spec.rank
+    if any(placement == Shard(dim) for placement in sharding):
+        raise LoweringError(
+            f"node {ctx.node.name!r} ({ctx.node.op.target}) writes into dim {dim}, which the plan shards: "
+            "the op needs that dim whole. Plan with a rule that keeps it whole"
+        )
+    args[1] = tuple(ctx.output_local_shapes[0])
+    return ctx.node.op.target, args, kwargs
+
+
+def _normalized_shape(position: int, source: int) -> Rewrite:
+    """Layer norm (and its backward): ``normalized_shape`` follows the input's local trailing dims."""
+
+    def rewrite(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+        count = len(args[position])
+        local = ctx.input_local_shapes[source]
+        args[position] = tuple(local[len(local) - count:])
+        return ctx.node.op.target, args, kwargs
+
+    return rewrite
+
+
+def _conv_backward(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    """convolution_backward: ``bias_sizes`` is the weight's local output channels."""
+    if args[3] is not None:
+        args[3] = (ctx.input_local_shapes[2][0],)
+    return ctx.node.op.target, args, kwargs
+
+
+def _embedding_backward(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    """embedding_dense_backward: ``num_weights`` is the output's rows; they must not be sharded."""
+    if any(placement == Shard(0) for placement in ctx.output_shardings[0]):
+        raise LoweringError(f"node {ctx.node.name!r}: embedding backward with its vocabulary rows sharded is not supported")
+    return ctx.node.op.target, args, kwargs
+
+
+def _split(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    """split: on a sharded dim, the same number of pieces, each ``local / count`` (as the rule was found)."""
+    global_shape, local = ctx.input_specs[0].shape, ctx.input_local_shapes[0]
+    dim = (args[2] if len(args) > 2 else 0) % len(global_shape)
+    if global_shape[dim] != local[dim]:
+        count = -(-global_shape[dim] // args[1])
+        if global_shape[dim] % args[1] or local[dim] % count:
+            raise _split_error(ctx, dim)
+        args[1] = local[dim] // count
+    return ctx.node.op.target, args, kwargs
+
+
+def _split_with_sizes(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    """split_with_sizes: on a sharded dim, sizes scale with the dim (as the rule was found)."""
+    global_shape, local = ctx.input_specs[0].shape, ctx.input_local_shapes[0]
+    dim = (args[2] if len(args) > 2 else 0) % len(global_shape)
+    if global_shape[dim] != local[dim]:
+        scaled = [size * local[dim] / global_shape[dim] for size in args[1]]
+        if any(value != int(value) for value in scaled):
+            raise _split_error(ctx, dim)
+        args[1] = tuple(int(value) for value in scaled)
+    return ctx.node.op.target, args, kwargs
+
+
+def _split_error(ctx: NodeContext, dim: int) -> LoweringError:
+    return LoweringError(
+        f"node {ctx.node.name!r} ({ctx.node.op.target}) splits dim {dim}, sharded to local size "
+        f"{ctx.input_local_shapes[0][dim]}, into pieces that have no local counterpart; replicate that dim"
+    )
+
+
 def _pad(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
     spec, sharding = ctx.input_specs[0], ctx.input_shardings[0]
     pads = args[1]
@@ -136,9 +210,15 @@ _REWRITES: dict[str, Rewrite] = {
     "aten.slice.Tensor": _indexing(1, _slice_is_full),
     "aten.select.int": _indexing(1, _never_full),
     "aten.narrow.default": _indexing(1, _never_full),
-    "aten.split.Tensor": _indexing(2, _never_full),
-    "aten.split_with_sizes.default": _indexing(2, _never_full),
+    "aten.split.Tensor": _split,
+    "aten.split_with_sizes.default": _split_with_sizes,
     "aten.constant_pad_nd.default": _pad,
+    "aten.slice_backward.default": _backward_sizes,
+    "aten.select_backward.default": _backward_sizes,
+    "aten.native_layer_norm.default": _normalized_shape(1, 0),
+    "aten.native_layer_norm_backward.default": _normalized_shape(2, 1),
+    "aten.convolution_backward.default": _conv_backward,
+    "aten.embedding_dense_backward.default": _embedding_backward,
 }
 
 

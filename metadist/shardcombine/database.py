@@ -394,7 +394,7 @@ class RuleDatabase:
                 "pass a writable path with --db PATH or set METADIST_CACHE_DIR"
             ) from err
         with _open_lock(self.path):
-            problem = _check_existing(self.path)
+            problem = _retry_locked(lambda: _check_existing(self.path), self.path)
             if problem is not None:
                 kind, why = problem
                 _rename_aside(self.path, kind, why)
@@ -449,7 +449,7 @@ def _check_existing(path: Path) -> tuple[str, str] | None:
     try:
         connection = sqlite3.connect(str(path), timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         connection.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        check = _retry_locked(lambda: connection.execute("PRAGMA quick_check").fetchall(), path)  # type: ignore[union-attr]
+        check = connection.execute("PRAGMA quick_check").fetchall()
         if [row[0] for row in check] != ["ok"]:
             return "corrupt", "PRAGMA quick_check reports: " + "; ".join(str(row[0]) for row in check[:5])
         tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

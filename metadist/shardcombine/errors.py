@@ -6,7 +6,7 @@ instead of a traceback, so each message says what failed, why, and how to fix it
 
 from __future__ import annotations
 
-__all__ = ["OracleError", "RuleDatabaseError", "ShardCombineError", "USER_ERRORS"]
+__all__ = ["OracleError", "RuleDatabaseError", "RuleLookupError", "ShardCombineError", "USER_ERRORS"]
 
 
 class ShardCombineError(RuntimeError):
@@ -23,9 +23,13 @@ class RuleDatabaseError(ShardCombineError):
     """
 
 
+class RuleLookupError(ShardCombineError):
+    """The rule database has nothing for what was asked (an op it has never seen)."""
+
+
 class OracleError(ShardCombineError):
     """The DTensor oracle cannot run (``torch.distributed`` or its fake process group is unavailable)."""
 
 
 #: Errors the CLI reports as a one-line message with exit status 2.
-USER_ERRORS: tuple[type[BaseException], ...] = (RuleDatabaseError, OracleError)
+USER_ERRORS: tuple[type[BaseException], ...] = (RuleDatabaseError, RuleLookupError, OracleError)

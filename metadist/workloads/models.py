@@ -30,11 +30,11 @@ class SmallCNN(nn.Module):
         if image_size % 4 != 0:
             raise ValueError(f"SmallCNN halves the image twice; image_size must be a multiple of 4, got {image_size}")
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, channels, kernel_size=3, padding=1),
+            nn.Conv2d(in_channels, channels, kernel_size=3, padding=1, bias=False),  # BatchNorm follows: a bias would be redundant
             nn.BatchNorm2d(channels),
             nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1),
+            nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1, bias=False),
             nn.BatchNorm2d(2 * channels),
             nn.ReLU(),
             nn.MaxPool2d(2),

@@ -28,7 +28,7 @@ import numpy as np
 from ...ir import Graph, GraphInput, GraphOutput, MetaOp, Node, Role, TensorSpec, Value, ValueRef
 from ...ir.graph import DTYPE_BYTES
 from .errors import JaxCaptureError
-from .params import decode_params, dtype_name, encode_params, encode_scalar
+from .params import decode_params, decode_scalar, dtype_name, encode_params, encode_scalar
 from .primitives import op_tags, op_target, register_primitive
 from .workload import JaxWorkload
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 INLINED = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None,
+    "remat": "jaxpr", "checkpoint": "jaxpr",
 }
 
 _ROLE_OF_PART = {"params": Role.PARAM, "opt_state": Role.OPTIM_STATE, "batch": Role.BATCH}
@@ -135,6 +135,10 @@ class _GraphBuilder:
         array = np.asarray(value)
         if array.ndim == 0:
             return encode_scalar(array, array.dtype)
+        return self.constant_input(array)
+
+    def constant_input(self, array: np.ndarray) -> ValueRef:
+        """A constant graph input holding ``array`` (its value lives in ``JaxStep.constants``)."""
         name = f"const{len(self.constants)}"
         self.constants[name] = array
         self.inputs.append(GraphInput(Value(name, _spec(array, f"constant {name}")), Role.CONSTANT, name))
@@ -213,10 +217,7 @@ class _GraphBuilder:
     def _output_name(self, arg: Any) -> str:
         if isinstance(arg, ValueRef):
             return arg.name
-        # A literal output (a constant result): give it a constant input to stand on.
-        from .params import decode_scalar
-
-        return self.constant(np.asarray(decode_scalar(arg))[None]).name  # pragma: no cover - rare
+        return self.constant_input(decode_scalar(arg)).name  # a constant result: a constant input stands for it
 
 
 def _body_of(eqn: Any) -> Any:

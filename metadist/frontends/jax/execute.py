@@ -88,16 +88,16 @@ def interpret(graph: Graph, inputs: Sequence[Any], *, raw_params: Mapping[str, d
 
 
 def jit_graph(graph: Graph, *, raw_params: Mapping[str, dict] | None = None, constrain: Constrain | None = None,
-              **jit_options: Any) -> Callable[..., list[Any]]:
+              **jit_options: Any) -> Callable[..., tuple[Any, ...]]:
     """``jax.jit`` of the interpreter over ``graph``: called with the graph's inputs as positional arrays."""
     import jax
 
-    def step(*inputs: Any) -> list[Any]:
-        return interpret(graph, inputs, raw_params=raw_params, constrain=constrain)
+    def step(*inputs: Any) -> tuple[Any, ...]:
+        return tuple(interpret(graph, inputs, raw_params=raw_params, constrain=constrain))
 
     return jax.jit(step, **jit_options)
 
 
 def run_graph(graph: Graph, inputs: Sequence[Any], *, raw_params: Mapping[str, dict] | None = None) -> list[Any]:
     """Run the whole graph on one device as one jitted XLA program."""
-    return jit_graph(graph, raw_params=raw_params)(*inputs)
+    return list(jit_graph(graph, raw_params=raw_params)(*inputs))

@@ -129,11 +129,9 @@ def decode_scalar(literal: Literal) -> np.ndarray:
 def _enum_classes() -> dict[str, type]:
     from jax import lax
 
-    classes = [lax.GatherScatterMode, lax.Precision, lax.RoundingMethod]
-    from jax._src.lax import lax as lax_internal  # DotAlgorithmPreset and friends live here
-
-    classes += [getattr(lax_internal, name) for name in ("DotAlgorithmPreset", "AccuracyMode") if hasattr(lax_internal, name)]
-    return {cls.__name__: cls for cls in classes}
+    names = ("GatherScatterMode", "Precision", "RoundingMethod", "DotAlgorithmPreset", "AccuracyMode", "FftType",
+             "RandomAlgorithm")
+    return {name: getattr(lax, name) for name in names if isinstance(getattr(lax, name, None), type)}
 
 
 @functools.lru_cache(maxsize=None)

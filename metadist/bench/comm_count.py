@@ -1,0 +1,255 @@
+"""Count the bytes every collective moves, the same way for every method.
+
+The counter reads a ``torch.profiler`` trace taken with ``record_shapes=True``. Every collective
+of every method (DDP's C++ reducer, FSDP2's all-gathers and reduce-scatters, DTensor's functional
+collectives, MetaDist's runtime) reaches the process group through one dispatcher op of the
+``c10d`` namespace (``c10d::allreduce_``, ``c10d::_allgather_base_``...), so counting those ops
+counts everything and counts it once. Their tensor shapes come from the profiler's structured
+input shapes; their dtype comes from the op itself, or for tensor-list ops from the backend event
+(``gloo:all_reduce``, ``nccl:all_reduce``...) that carries it out.
+
+Bytes are the **payload** of each call, per rank, in the nccl-tests convention:
+
+=================  ==========================================
+collective         payload bytes
+=================  ==========================================
+all_reduce         the buffer reduced
+all_gather         the gathered output (group size x input)
+reduce_scatter     the input before scattering
+all_to_all         the input
+broadcast          the buffer
+=================  ==========================================
+
+On the wire a ring all-reduce sends ``2 (g-1)/g`` payloads per rank and the others ``(g-1)/g``.
+Note that gloo carries out a reduce-scatter as an all-reduce of the whole input: the counter
+names the collective the caller asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+#: c10d dispatcher op -> (collective kind, how its payload is read from its tensor arguments).
+#: ``first``: the first argument; ``output``: argument 0 (the output of ``*_base_`` ops);
+#: ``input``: argument 1 (the input of ``*_base_`` ops).
+C10D_OPS: dict[str, tuple[str, str]] = {
+    "c10d::allreduce_": ("all_reduce", "first"),
+    "c10d::allreduce_coalesced_": ("all_reduce", "first"),
+    "c10d::_allgather_base_": ("all_gather", "output"),
+    "c10d::allgather_": ("all_gather", "output"),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", "output"),
+    "c10d::allgather_coalesced_": ("all_gather", "output"),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", "input"),
+    "c10d::reduce_scatter_": ("reduce_scatter", "input"),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", "input"),
+    "c10d::alltoall_base_": ("all_to_all", "input"),
+    "c10d::alltoall_": ("all_to_all", "input"),
+    "c10d::broadcast_": ("broadcast", "first"),
+    "c10d::reduce_": ("reduce", "first"),
+    "c10d::gather_": ("gather", "first"),
+    "c10d::scatter_": ("scatter", "output"),
+}
+
+MARKER_PREFIX = "bench:"
+"""Prefix of the ``record_function`` regions the harness opens around builds and steps."""
+
+MEMORY_EVENT = "[memory]"
+"""Name of the profiler's allocation events (``profile_memory=True``)."""
+
+BACKEND_PREFIXES = ("gloo:", "nccl:")
+"""Names of the backend events that carry out a collective (and carry its dtype)."""
+
+_DTYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "int": 4, "long int": 8,
+    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
+    "c10::complex<double>": 16, "long": 8,
+}
+
+ASSUMED_ELEMENT_BYTES = 4
+"""Element size used when neither the op nor a backend event names the dtype (counted and reported)."""
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective as the caller asked for it."""
+
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast..."""
+    payload_bytes: int
+    """Per-rank payload in the convention of the module docstring."""
+    op: str
+    """The c10d dispatcher op."""
+    dtype_assumed: bool = False
+    """True when the element size was not recorded and :data:`ASSUMED_ELEMENT_BYTES` was used."""
+    group_size: int = 0
+    """Ranks in the collective's group: read from the shapes of gathers and scatters, else the
+    caller's default (0: unknown)."""
+
+    @property
+    def wire_bytes(self) -> float | None:
+        """Bytes this rank sends with a ring algorithm (None when the group size is unknown)."""
+        n = self.group_size
+        if n <= 0:
+            return None
+        if n == 1:
+            return 0.0
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) / n * self.payload_bytes
+        return (n - 1) / n * self.payload_bytes
+
+
+@dataclass(frozen=True)
+class CommCount:
+    """Collectives of one rank over one window (one training step)."""
+
+    calls: tuple[CollectiveCall, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(call.payload_bytes for call in self.calls)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for call in self.calls:
+            totals[call.kind] = totals.get(call.kind, 0) + call.payload_bytes
+        return totals
+
+    def calls_by_kind(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for call in self.calls:
+            counts[call.kind] = counts.get(call.kind, 0) + 1
+        return counts
+
+    @property
+    def wire_bytes(self) -> float | None:
+        """Ring-algorithm bytes this rank sends; None if any call's group size is unknown."""
+        sizes = [call.wire_bytes for call in self.calls]
+        return None if any(size is None for size in sizes) else float(sum(sizes))
+
+    @property
+    def assumed_dtype_calls(self) -> int:
+        return sum(call.dtype_assumed for call in self.calls)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """The part of a profiler event the counter reads (kept framework-light for tests)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    shapes: tuple = ()
+    dtypes: tuple = ()
+    thread: int = 0
+    nbytes: int = 0
+    """For ``[memory]`` events: bytes allocated (positive) or freed (negative)."""
+    device: str = "cpu"
+
+
+def events_from_profile(prof: Any) -> list[TraceEvent]:
+    """The profiler's kineto events as :class:`TraceEvent`: collectives, backend calls, markers, memory."""
+    events = []
+    for event in prof.profiler.kineto_results.events():
+        name = event.name()
+        if name == MEMORY_EVENT:
+            device = str(event.device_type()).rsplit(".", 1)[-1].lower()
+            events.append(TraceEvent(name=name, start_ns=event.start_ns(), end_ns=event.start_ns(),
+                                     nbytes=event.nbytes(), device=device))
+            continue
+        if not (name in C10D_OPS or name.startswith(BACKEND_PREFIXES) or name.startswith(MARKER_PREFIX)):
+            continue
+        shapes = event.structured_input_shapes()
+        events.append(TraceEvent(
+            name=name, start_ns=event.start_ns(), end_ns=event.end_ns(), shapes=tuple(shapes),
+            dtypes=tuple(event.dtypes()), thread=event.start_thread_id(),
+        ))
+    return events
+
+
+def window(events: Sequence[TraceEvent], marker: str) -> tuple[int, int]:
+    """Start and end (ns) of the ``record_function`` region named ``marker``."""
+    for event in events:
+        if event.name == marker:
+            return event.start_ns, event.end_ns
+    names = sorted({event.name for event in events if event.name.startswith(MARKER_PREFIX)})
+    raise LookupError(f"no profiler region {marker!r} in the trace; regions present: {names}")
+
+
+def count_collectives(events: Sequence[TraceEvent], start_ns: int, end_ns: int, default_group_size: int = 0) -> CommCount:
+    """The collectives whose c10d op started inside ``[start_ns, end_ns]``.
+
+    ``default_group_size``: the group size of collectives whose shapes do not tell it (all-reduce,
+    broadcast, all-to-all): the world size when every collective spans all ranks, else 0 (unknown).
+    """
+    backend = sorted((e for e in events if e.name.startswith(BACKEND_PREFIXES)), key=lambda e: e.start_ns)
+    used: set[int] = set()
+    calls = []
+    for event in sorted(events, key=lambda e: e.start_ns):
+        if event.name not in C10D_OPS or not start_ns <= event.start_ns <= end_ns:
+            continue
+        calls.append(_call_of(event, backend, used, default_group_size))
+    count = CommCount(tuple(calls))
+    if count.assumed_dtype_calls:
+        log.warning("%d collective(s) had no recorded dtype; counted with %d-byte elements",
+                    count.assumed_dtype_calls, ASSUMED_ELEMENT_BYTES)
+    return count
+
+
+def _call_of(event: TraceEvent, backend: Sequence[TraceEvent], used: set[int], default_group_size: int) -> CollectiveCall:
+    kind, which = C10D_OPS[event.name]
+    argument = {"first": 0, "output": 0, "input": 1}[which]
+    shapes = _tensor_shapes(event.shapes[argument] if len(event.shapes) > argument else [])
+    group_size = _group_size(event, kind) or default_group_size
+    element_bytes = _DTYPE_BYTES.get(event.dtypes[argument]) if len(event.dtypes) > argument else None
+    assumed = False
+    if element_bytes is None:
+        element_bytes = _backend_element_bytes(event, backend, used)
+    if element_bytes is None:
+        element_bytes, assumed = ASSUMED_ELEMENT_BYTES, True
+    numel = sum(_numel(shape) for shape in shapes)
+    return CollectiveCall(kind=kind, payload_bytes=numel * element_bytes, op=event.name, dtype_assumed=assumed,
+                          group_size=group_size)
+
+
+def _group_size(event: TraceEvent, kind: str) -> int:
+    """The ratio of the gathered (or scattered) size to the shard size; 0 when the shapes do not say."""
+    if kind not in ("all_gather", "reduce_scatter") or len(event.shapes) < 2:
+        return 0
+    big, small = (0, 1) if kind == "all_gather" else (1, 0)
+    big_numel = sum(_numel(shape) for shape in _tensor_shapes(event.shapes[big]))
+    small_numel = sum(_numel(shape) for shape in _tensor_shapes(event.shapes[small]))
+    return big_numel // small_numel if small_numel and big_numel % small_numel == 0 else 0
+
+
+def _backend_element_bytes(event: TraceEvent, backend: Sequence[TraceEvent], used: set[int]) -> int | None:
+    """Element size from the first unused backend event that starts after the c10d op."""
+    for index, candidate in enumerate(backend):
+        if index in used or candidate.start_ns < event.start_ns:
+            continue
+        used.add(index)
+        for dtype in candidate.dtypes:
+            if dtype in _DTYPE_BYTES:
+                return _DTYPE_BYTES[dtype]
+        return None
+    return None
+
+
+def _tensor_shapes(shape: Any) -> list[list[int]]:
+    """Flatten a structured shape (a tensor's shape, a list of them, or a list of lists); ``[]`` is a scalar."""
+    if all(isinstance(size, int) for size in shape):
+        return [list(shape)]
+    flat: list[list[int]] = []
+    for item in shape:
+        flat.extend(_tensor_shapes(item))
+    return flat
+
+
+def _numel(shape: Iterable[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel

@@ -1,0 +1,341 @@
+"""The measurement harness: every method on the same model, batch and processes, in one invocation.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m metadist.bench.harness MODEL [--mesh DPxTP] [--steps K] [--methods ...] --out FILE.json
+
+Each method, as a recipe (the same for every method):
+
+1. build it from a private copy of the same seeded model (dropout off, see below);
+2. run ``PROFILED_STEPS`` steps under ``torch.profiler`` (shapes and memory recorded): the last
+   one is the measured step for collective bytes (:mod:`.comm_count`) and memory
+   (:mod:`.memory_track`);
+3. run ``warmup`` more steps, then ``steps`` timed ones, each started after a barrier; a step's
+   time is the slowest rank's;
+4. the loss of the last step, summed over the ranks' contributions, is the whole batch's loss.
+
+Every method runs ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
+global batch, so their final losses must agree with the single-device one (relative tolerance
+:data:`.results.LOSS_RTOL`). Dropout is switched off (every dropout probability set to 0):
+with dropout on, each method draws different masks and the losses could not be compared.
+MetaDist compiles (capture, discovery, solve, lowering) outside the profiler, so its compile
+times carry no profiling overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..workload import Workload
+from .baselines import BASELINE_METHODS, MethodUnavailable, Prepared, RankContext, build_baseline, disable_dropout
+from .comm_count import count_collectives, events_from_profile, window
+from .memory_track import MemoryPeak, cpu_memory_peak
+from .metadist_method import METADIST_METHODS, build_metadist, predict_baselines
+from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, BenchRun, MethodResult
+
+log = logging.getLogger(__name__)
+
+ALL_METHODS = (*BASELINE_METHODS, *METADIST_METHODS)
+PROFILED_STEPS = 2
+"""Steps run under the profiler; the last is the measured one (the first allocates optimizer state)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarnessConfig:
+    """What one invocation measures; the same on every rank."""
+
+    model: str
+    """Built-in name or path/to/file.py[:function]."""
+    methods: tuple[str, ...]
+    steps: int
+    """Timed steps per method."""
+    warmup: int
+    """Unprofiled, untimed steps before the timed ones."""
+    mesh_shape: tuple[int, ...]
+    """Mesh of the 2-D methods (tp-dp) and of MetaDist; () for 1-D over all ranks."""
+    batch_size: int | None
+    seq_len: int | None
+    optimizer: str
+    out: str
+    """Path of the result JSON (written by rank 0)."""
+    predict: bool
+    """Also record the cost model's estimate of each baseline (needs the solver)."""
+    timeout_s: float
+    cluster: str | None = None
+    """The cost model's cluster for MetaDist's plans and the estimates: a preset or a calibrated JSON file
+    (``metadist calibrate``); None: ``cpu-gloo`` on CPU, the default preset on GPUs."""
+
+    def __post_init__(self) -> None:
+        unknown = [method for method in self.methods if method not in ALL_METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x2"`` -> ``(2, 2)``; ``""`` -> ``()``."""
+    if not text:
+        return ()
+    try:
+        shape = tuple(int(size) for size in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh {text!r} is not sizes joined by 'x', e.g. 2x2") from None
+    if any(size < 1 for size in shape):
+        raise ValueError(f"--mesh {text!r} has a size below 1")
+    return shape
+
+
+def parse_args(argv: list[str] | None = None) -> HarnessConfig:
+    parser = argparse.ArgumentParser(prog="python -m metadist.bench.harness", description=__doc__.split("\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated; default: all")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--mesh", default="", help="DPxTP mesh for tp-dp and MetaDist, e.g. 2x2")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no-predict", action="store_true", help="skip the cost model's estimates of the baselines")
+    parser.add_argument("--timeout-s", type=float, default=180.0, help="bound on every collective (a failed rank never hangs the others)")
+    parser.add_argument("--cluster", default=None, help="cost model cluster: preset or calibrated JSON file")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return HarnessConfig(
+        model=args.model, methods=tuple(m for m in args.methods.split(",") if m), steps=args.steps,
+        warmup=args.warmup, mesh_shape=parse_mesh(args.mesh), batch_size=args.batch_size, seq_len=args.seq_len,
+        optimizer=args.optimizer, out=args.out, predict=not args.no_predict, timeout_s=args.timeout_s,
+        cluster=args.cluster,
+    )
+
+
+# ---------------------------------------------------------------- setup
+
+
+def setup(config: HarnessConfig) -> RankContext:
+    """The process group (NCCL on GPUs, gloo on CPUs) and who this rank is."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
+    world = dist.get_world_size()
+    mesh_shape = config.mesh_shape or (world,)
+    size = 1
+    for axis_size in mesh_shape:
+        size *= axis_size
+    if size != world:
+        raise ValueError(f"--mesh {'x'.join(map(str, mesh_shape))} has {size} devices but {world} processes run; "
+                         f"launch {size} processes or pick a mesh of {world}")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return RankContext(rank=dist.get_rank(), world_size=world, device=device, mesh_shape=mesh_shape,
+                       cluster=config.cluster)
+
+
+def load_bench_workload(config: HarnessConfig) -> Workload:
+    """The workload on the CPU with real weights, dropout off."""
+    from ..workloads import builtin_workload, load_workload
+    from ..workloads.builtin import BUILTINS
+
+    if config.model in BUILTINS:
+        workload = builtin_workload(config.model, device="cpu", optimizer=config.optimizer,
+                                    batch_size=config.batch_size, seq_len=config.seq_len)
+    else:
+        workload = load_workload(config.model)
+    disable_dropout(workload.model)
+    return workload
+
+
+# ---------------------------------------------------------------- one method
+
+
+def _sync(ctx: RankContext) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profiled_run(method: str, workload: Workload, ctx: RankContext, prepared: Prepared | None) -> tuple[Prepared, Any, MemoryPeak | None, torch.Tensor]:
+    """Build (unless prepared) and run the profiled steps; returns the profiler and the CUDA memory peak."""
+    cuda_peak = None
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=ctx.device.type == "cpu") as prof:
+        baseline = torch.cuda.memory_allocated() if ctx.device.type == "cuda" else 0
+        with record_function("bench:build"):
+            prepared = prepared or build_baseline(method, workload, ctx)
+        for index in range(PROFILED_STEPS):
+            last = index == PROFILED_STEPS - 1
+            if last and ctx.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                state = torch.cuda.memory_allocated() - baseline
+            with record_function(f"bench:step{index}"):
+                loss = prepared.step()
+                _sync(ctx)
+        if ctx.device.type == "cuda":
+            cuda_peak = MemoryPeak(state_bytes=state, peak_bytes=torch.cuda.max_memory_allocated() - baseline,
+                                   source="cuda-allocator")
+    return prepared, prof, cuda_peak, loss
+
+
+def _timed_steps(prepared: Prepared, ctx: RankContext, warmup: int, steps: int) -> tuple[list[float], torch.Tensor]:
+    for _ in range(warmup):
+        loss = prepared.step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        started = time.perf_counter()
+        loss = prepared.step()
+        _sync(ctx)
+        times.append(time.perf_counter() - started)
+    slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist(), loss
+
+
+def measure_method(method: str, workload: Workload, ctx: RankContext, config: HarnessConfig) -> MethodResult:
+    """Build, profile and time one method; figures are the maximum over ranks."""
+    compile_s, predicted, prepared = {}, {}, None
+    try:
+        if method in METADIST_METHODS:
+            prepared, compile_s, predicted = build_metadist(method, workload, ctx)
+        prepared, prof, cuda_peak, _ = _profiled_run(method, workload, ctx, prepared)
+    except MethodUnavailable as err:
+        log.warning("%s: not available: %s", method, err)
+        dist.barrier()
+        return MethodResult(method=method, status=STATUS_UNAVAILABLE, reason=str(err))
+    except (RuntimeError, ValueError, AssertionError) as err:
+        if method not in METADIST_METHODS:
+            raise  # a baseline that breaks is a bug of the harness: keep the traceback
+        return _failed(method, err)
+    events = events_from_profile(prof)
+    start, end = window(events, f"bench:step{PROFILED_STEPS - 1}")
+    one_d = len(prepared.mesh_shape) == 1
+    comm = count_collectives(events, start, end, default_group_size=ctx.world_size if one_d else 0)
+    memory = cuda_peak or cpu_memory_peak(events, start, end)
+    del prof, events
+    times, loss = _timed_steps(prepared, ctx, config.warmup, config.steps)
+    total = loss.detach().to(torch.float64).reshape(())
+    dist.all_reduce(total)
+    local = {"comm": comm, "memory": memory}
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, local)
+    result = _result(method, prepared, times, float(total), gathered, compile_s, predicted)
+    del prepared
+    gc.collect()
+    dist.barrier()
+    return result
+
+
+def _failed(method: str, err: BaseException) -> MethodResult:
+    """MetaDist's pipeline failed on this rank: record why (first line), after the ranks meet again."""
+    reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    log.error("%s failed: %s", method, reason)
+    gc.collect()
+    dist.barrier()
+    return MethodResult(method=method, status=STATUS_FAILED, reason=reason)
+
+
+def _result(method: str, prepared: Prepared, times: list[float], loss: float, gathered: list[dict],
+            compile_s: dict, predicted: dict) -> MethodResult:
+    busiest = max(gathered, key=lambda item: item["comm"].total_bytes)["comm"]
+    wires = [item["comm"].wire_bytes for item in gathered]
+    return MethodResult(
+        method=method, status=STATUS_OK, mesh_shape=tuple(prepared.mesh_shape), step_times_s=tuple(times),
+        comm_payload_bytes=busiest.total_bytes,
+        comm_wire_bytes=None if any(w is None for w in wires) else max(wires),
+        comm_bytes_by_kind=busiest.bytes_by_kind(), comm_calls_by_kind=busiest.calls_by_kind(),
+        state_memory_bytes=max(item["memory"].state_bytes for item in gathered),
+        peak_memory_bytes=max(item["memory"].peak_bytes for item in gathered),
+        memory_source=gathered[0]["memory"].source, final_loss=loss, compile_s=compile_s,
+        predicted=predicted, note=prepared.note,
+    )
+
+
+# ---------------------------------------------------------------- the run
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine, read at run time."""
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.machine(),
+        "cuda": torch.cuda.is_available(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "load_average_1min": os.getloadavg()[0],
+    }
+    return info
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    from .. import __version__
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "metadist": __version__}
+
+
+def run(config: HarnessConfig, argv: list[str]) -> int:
+    ctx = setup(config)
+    workload = load_bench_workload(config)
+    results = [measure_method(method, workload, ctx, config) for method in config.methods]
+    predictions = _predictions(workload, ctx, config)
+    results = [_with_prediction(result, predictions) for result in results]
+    if ctx.rank == 0:
+        bench = BenchRun(
+            model=workload.name or config.model, world_size=ctx.world_size, mesh_shape=tuple(ctx.mesh_shape),
+            backend=dist.get_backend(), device=ctx.device.type, steps=config.steps, warmup=config.warmup,
+            batch_shapes={key: tuple(value.shape) for key, value in workload.batch.items()},
+            params=sum(p.numel() for p in workload.model.parameters()), machine=machine_info(), versions=versions(),
+            command=f"python -m torch.distributed.run --standalone --nproc-per-node {ctx.world_size} "
+                    f"-m metadist.bench.harness {' '.join(argv)}",
+            methods=tuple(results),
+        )
+        _write(config.out, bench.to_json())
+        for result in results:
+            log.info("%s: %s median %s s, loss %s", result.method, result.status, result.median_step_s, result.final_loss)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _predictions(workload: Workload, ctx: RankContext, config: HarnessConfig) -> dict[str, dict]:
+    if not config.predict:
+        return {}
+    try:
+        return predict_baselines(workload, ctx)
+    except MethodUnavailable as err:
+        log.warning("no cost-model estimates of the baselines: %s", err)
+        return {}
+
+
+def _with_prediction(result: MethodResult, predictions: dict[str, dict]) -> MethodResult:
+    if result.predicted or result.method not in predictions:
+        return result
+    from dataclasses import replace
+
+    return replace(result, predicted=predictions[result.method])
+
+
+def _write(path: str, text: str) -> None:
+    from ..cli.common import write_atomically
+
+    write_atomically(path, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run(parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

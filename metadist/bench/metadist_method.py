@@ -1,0 +1,148 @@
+"""MetaDist's own rows: capture, discover, solve (ILP or beam), lower, then run the distributed step.
+
+The compile time is split the way the pipeline is: ``capture`` (the step into MetaIR),
+``discovery`` (ShardCombine's rules, from the rule database where known), ``solve`` (the
+planner), ``lowering`` (the rank program and its GraphModule). Rank 0 discovers first and fills
+the rule database, so the other ranks read it (as ``metadist run`` does); the discovery time
+reported is rank 0's.
+
+The cost model's estimates of the same step (MetaDist's plan and the solver's own baselines
+``dp``, ``zero2``, ``zero3``, ``megatron``) come back with the rows, so the report can set the
+predicted communication and time next to the measured ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..workload import Workload
+from .baselines import MethodUnavailable, Prepared, RankContext
+
+log = logging.getLogger(__name__)
+
+METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam"}
+
+CLUSTER_PRESET_CPU = "cpu-gloo"
+"""The cost model's description of this machine (processes on one CPU over gloo)."""
+
+#: solver baseline -> the measured method it stands for (on a 1-D mesh, on a 2-D mesh).
+PREDICTED_AS = {"dp": ("ddp", "ddp"), "zero2": ("zero2", "zero2"), "zero3": ("zero3", "zero3"), "megatron": ("tp", "tp-dp")}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What compiling on this rank produced, before lowering."""
+
+    torch_step: Any
+    rules: Any
+    cluster: Any
+    compile_s: Mapping[str, float]
+
+
+def _api() -> dict[str, Any]:
+    """The pipeline's entry points, or MethodUnavailable naming the missing stage."""
+    try:
+        from .. import __version__
+        from ..cost.cluster import resolve_cluster
+        from ..frontends.torch import capture_step
+        from ..frontends.torch.discovery import TorchExecutor
+        from ..ir import Mesh
+        from ..runtime.step import CompiledStep
+        from ..shardcombine.api import graph_rules
+        from ..shardcombine.database import RuleDatabase
+        from ..solver import baseline_plan, plan_graph
+    except ImportError as err:
+        raise MethodUnavailable(f"the MetaDist pipeline is not complete in this tree ({err})") from err
+    return dict(version=__version__, resolve_cluster=resolve_cluster, capture_step=capture_step,
+                TorchExecutor=TorchExecutor, Mesh=Mesh, CompiledStep=CompiledStep, graph_rules=graph_rules,
+                RuleDatabase=RuleDatabase, baseline_plan=baseline_plan, plan_graph=plan_graph)
+
+
+def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, Any], model: Any, optimizer: Any) -> Planned:
+    """Capture and discover on this rank (rank 0 first), timing each stage."""
+    started = time.perf_counter()
+    torch_step = api["capture_step"](workload.train_step(), model, optimizer, workload.batch, name=workload.name or "step")
+    capture_s = time.perf_counter() - started
+    discovery_s = 0.0
+    with api["RuleDatabase"]() as db:
+        for turn in (0, 1):
+            if (ctx.rank == 0) == (turn == 0):
+                started = time.perf_counter()
+                rules = api["graph_rules"](torch_step.graph, api["TorchExecutor"](), db=db)
+                discovery_s = time.perf_counter() - started
+            dist.barrier()
+    mesh = api["Mesh"](tuple(ctx.mesh_shape))
+    spec = ctx.cluster or (CLUSTER_PRESET_CPU if ctx.device.type == "cpu" else None)
+    cluster = api["resolve_cluster"](spec, mesh)
+    return Planned(torch_step, rules, cluster, {"capture": capture_s, "discovery": discovery_s})
+
+
+def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[Prepared, dict[str, float], dict[str, Any]]:
+    """The compiled step of ``method``; its compile times; the cost model's estimate of its plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    api = _api()
+    model = copy.deepcopy(workload.model).to(ctx.device)
+    optimizer = workload.optimizer(model.parameters())
+    planned = compile_plan_inputs(workload, ctx, api, model, optimizer)
+    started = time.perf_counter()
+    plan = api["plan_graph"](planned.torch_step.graph, planned.rules, planned.cluster, memory_budget_bytes=float("inf"),
+                             solver=METADIST_METHODS[method])
+    solve_s = time.perf_counter() - started
+    started = time.perf_counter()
+    device_mesh = init_device_mesh(ctx.device.type, tuple(ctx.mesh_shape))
+    compiled = api["CompiledStep"](planned.torch_step, plan, device_mesh, metadist_version=api["version"])
+    lowering_s = time.perf_counter() - started
+    batch = workload.batch
+    world = ctx.world_size
+
+    def step() -> torch.Tensor:
+        return compiled(model, optimizer, batch).detach() / world
+
+    compile_s = {**planned.compile_s, "solve": solve_s, "lowering": lowering_s}
+    prepared = Prepared(method, step=step, holders=(model, optimizer, compiled, device_mesh),
+                        mesh_shape=tuple(ctx.mesh_shape),
+                        note="holds the user's full model and optimizer as well as its shards")
+    return prepared, compile_s, _estimate_summary(plan.estimate)
+
+
+def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[str, Any]]:
+    """The cost model's estimate of each solver baseline, keyed by the measured method it stands for."""
+    api = _api()
+    model = copy.deepcopy(workload.model)
+    optimizer = workload.optimizer(model.parameters())
+    planned = compile_plan_inputs(workload, ctx, api, model, optimizer)
+    two_d = len(ctx.mesh_shape) == 2
+    predictions: dict[str, dict[str, Any]] = {}
+    for kind, (one_d_name, two_d_name) in PREDICTED_AS.items():
+        name = two_d_name if two_d else one_d_name
+        try:
+            plan = api["baseline_plan"](planned.torch_step.graph, planned.rules, planned.cluster, kind)
+        except ValueError as err:  # the solver's errors are ValueErrors with a message
+            predictions[name] = {"error": str(err)}
+            continue
+        predictions[name] = _estimate_summary(plan.estimate)
+    return predictions
+
+
+def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures of a plan estimate that the report compares with measurements."""
+    def number(key: str) -> float | None:
+        value = estimate.get(key)
+        return None if value is None else float(value)
+
+    return {
+        "step_s": number("step_s"),
+        "compute_s": number("compute_s"),
+        "comm_s": number("comm_s"),
+        "comm_bytes": float(sum(estimate.get("comm_bytes_by_axis", {}).values())),
+        "memory_bytes": number("memory_bytes_peak"),
+        "collectives_by_kind": dict(estimate.get("collectives_by_kind", {})),
+    }

@@ -1,0 +1,469 @@
+"""Write ``docs/benchmarks.md`` and its plots from measured result files.
+
+    python -m metadist.bench.report --results DIR [--scale FILE.json] --out docs/benchmarks.md
+
+The page is made only from what a real run wrote (``BenchRun`` JSON files from the harness, the
+scale study's JSON); it invents nothing, and says where MetaDist loses as plainly as where it
+wins: the comparisons are computed from the figures, not written by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .results import BenchRun, MethodResult
+
+log = logging.getLogger(__name__)
+
+METADIST = ("metadist-ilp", "metadist-beam")
+DISTRIBUTED_BASELINES = ("ddp", "zero2", "zero3", "tp", "tp-dp")
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def fmt_bytes(count: float | None) -> str:
+    if count is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    return "-"
+
+
+def fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def method_row(run: BenchRun, result: MethodResult) -> dict[str, str]:
+    """One method's figures as table cells (shared by the markdown page and the CLI)."""
+    if not result.ok:
+        return {"method": result.method, "status": f"{result.status}: {result.reason}"}
+    ddp = run.method("ddp")
+    ratio = "-"
+    if ddp is not None and ddp.ok and ddp.median_step_s:
+        ratio = f"{result.median_step_s / ddp.median_step_s:.2f}"
+    low, high = result.spread_s
+    agreement = run.loss_agreement().get(result.method)
+    compile_total = sum(result.compile_s.values()) if result.compile_s else None
+    return {
+        "method": result.method,
+        "mesh": "x".join(map(str, result.mesh_shape)),
+        "median ms": fmt_ms(result.median_step_s),
+        "p25-p75 ms": f"{fmt_ms(low)}-{fmt_ms(high)}",
+        "vs DDP": ratio,
+        "comm payload/rank": fmt_bytes(result.comm_payload_bytes),
+        "comm wire/rank": fmt_bytes(result.comm_wire_bytes),
+        "calls": str(sum(result.comm_calls_by_kind.values())),
+        "state mem/rank": fmt_bytes(result.state_memory_bytes),
+        "peak mem/rank": fmt_bytes(result.peak_memory_bytes),
+        "final loss": f"{result.final_loss:.6f}" if result.final_loss is not None else "-",
+        "rel. diff": "-" if agreement is None else f"{agreement:.1e}",
+        "compile s": "-" if compile_total is None else f"{compile_total:.2f}",
+    }
+
+
+COLUMNS = ("method", "mesh", "median ms", "p25-p75 ms", "vs DDP", "comm payload/rank", "comm wire/rank", "calls",
+           "state mem/rank", "peak mem/rank", "final loss", "rel. diff", "compile s")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def run_table(run: BenchRun) -> str:
+    rows, unavailable = [], []
+    for result in run.methods:
+        cells = method_row(run, result)
+        if result.ok:
+            rows.append([cells[column] for column in COLUMNS])
+        else:
+            unavailable.append(f"- **{result.method}**: {result.status}: {result.reason}")
+    return "\n".join([markdown_table(COLUMNS, rows), "", *unavailable])
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+@dataclass(frozen=True)
+class Gap:
+    """MetaDist against the best distributed baseline on one figure of one model."""
+
+    model: str
+    figure: str
+    metadist: str
+    baseline: str
+    ratio: float
+    """MetaDist's figure over the baseline's (> 1: MetaDist is worse)."""
+    detail: str
+
+
+def _best(run: BenchRun, names: Sequence[str], key) -> MethodResult | None:
+    candidates = [result for name in names if (result := run.method(name)) is not None and result.ok and key(result) is not None]
+    return min(candidates, key=key) if candidates else None
+
+
+def gaps(run: BenchRun) -> list[Gap]:
+    """Time, communication and peak memory of MetaDist's best row against the best baseline's."""
+    figures = (
+        ("step time", lambda r: r.median_step_s, fmt_ms, " ms"),
+        ("comm payload", lambda r: r.comm_payload_bytes, fmt_bytes, ""),
+        ("peak memory", lambda r: r.peak_memory_bytes, fmt_bytes, ""),
+    )
+    found = []
+    for figure, key, fmt, unit in figures:
+        ours, theirs = _best(run, METADIST, key), _best(run, DISTRIBUTED_BASELINES, key)
+        if ours is None or theirs is None:
+            continue
+        ratio = key(ours) / key(theirs) if key(theirs) else (1.0 if key(ours) == key(theirs) else float("inf"))
+        detail = (f"{ours.method} {fmt(key(ours))}{unit} ({_calls(ours)}) vs {theirs.method} "
+                  f"{fmt(key(theirs))}{unit} ({_calls(theirs)})")
+        found.append(Gap(run.model, figure, ours.method, theirs.method, ratio, detail))
+    return found
+
+
+def _calls(result: MethodResult) -> str:
+    kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(result.comm_calls_by_kind.items()))
+    return kinds or "no collectives"
+
+
+def gap_lines(runs: Sequence[BenchRun]) -> list[str]:
+    """Sentences, worst gap for MetaDist first."""
+    all_gaps = sorted((gap for run in runs for gap in gaps(run)), key=lambda gap: -gap.ratio)
+    lines = [f"- **{run.model}: {result.method} {result.status}**: {result.reason}"
+             for run in runs for result in run.methods if result.method in METADIST and not result.ok]
+    for gap in all_gaps:
+        verdict = "loses" if gap.ratio > 1.05 else "wins" if gap.ratio < 0.95 else "ties"
+        lines.append(f"- **{gap.model}, {gap.figure}: MetaDist {verdict}** (x{gap.ratio:.2f}): {gap.detail}.")
+    return lines
+
+
+def call_lines(runs: Sequence[BenchRun]) -> list[str]:
+    """How many collectives each MetaDist row issues per step against the baselines, and their mean size."""
+    lines = []
+    for run in runs:
+        cells = []
+        for result in run.methods:
+            calls = sum(result.comm_calls_by_kind.values())
+            if result.ok and calls:
+                cells.append(f"{result.method} {calls} ({fmt_bytes(result.comm_payload_bytes / calls)} each)")
+        if cells:
+            lines.append(f"- {run.model}: " + ", ".join(cells))
+    return lines
+
+
+def prediction_rows(runs: Sequence[BenchRun]) -> list[list[str]]:
+    """Predicted (cost model, ``cpu-gloo`` preset) against measured, per method."""
+    rows = []
+    for run in runs:
+        for result in run.methods:
+            predicted = result.predicted
+            if not result.ok or not predicted or predicted.get("step_s") is None:
+                continue
+            measured_time, measured_wire = result.median_step_s, result.comm_wire_bytes
+            rows.append([
+                run.model, result.method, fmt_ms(predicted["step_s"]), fmt_ms(measured_time),
+                f"{measured_time / predicted['step_s']:.1f}" if predicted["step_s"] else "-",
+                fmt_bytes(predicted.get("comm_bytes")), fmt_bytes(measured_wire),
+                f"{measured_wire / predicted['comm_bytes']:.2f}" if measured_wire is not None and predicted.get("comm_bytes") else "-",
+            ])
+    return rows
+
+
+# ---------------------------------------------------------------- scale study
+
+
+def scale_tables(scale: dict) -> str:
+    """One table of every layout; *vs MetaDist* is the layout's estimated step time over MetaDist's."""
+    header = ("model", "GPUs", "layout", "mesh", "est. step s", "vs MetaDist", "est. memory/GPU", "fits 80 GB", "solver")
+    ours = {(row["model"], row["devices"]): row["step_s"] for row in scale["rows"] if row["method"] == "metadist"}
+    rows = []
+    for row in scale["rows"]:
+        fits = "yes" if row["fits"] else ("**no**" if not row["error"] else f"**no**: {row['error'][:160]}")
+        reference = ours.get((row["model"], row["devices"]))
+        ratio = f"{row['step_s'] / reference:.2f}" if reference and row["step_s"] else "-"
+        rows.append([row["model"], str(row["devices"]), row["method"], "x".join(map(str, row["mesh"])),
+                     "-" if row["step_s"] is None else f"{row['step_s']:.3f}", ratio, fmt_bytes(row["memory_bytes"]),
+                     fits, row.get("solver_status", "")])
+    return markdown_table(header, rows)
+
+
+def missing_scale_cells(scale: dict, models: Sequence[str], devices: Sequence[int]) -> list[str]:
+    have = {(row["model"], row["devices"]) for row in scale["rows"]}
+    return [f"{model} on {count} GPUs" for model in models for count in devices if (model, count) not in have]
+
+
+def _ratio_summary(rows: Sequence[Sequence[str]]) -> str:
+    """The spread of measured/predicted over the methods, for time and for wire bytes."""
+    def spread(column: int) -> str:
+        values = sorted(float(row[column]) for row in rows if row[column] != "-")
+        if not values:
+            return "-"
+        return f"{values[0]:.2f} to {values[-1]:.2f} (median {values[len(values) // 2]:.2f})"
+
+    return (f"Measured over predicted, over {len(rows)} method rows: step time {spread(4)}; wire bytes {spread(7)}. "
+            "A ratio above 1 means the cost model is optimistic.")
+
+
+# ---------------------------------------------------------------- the page
+
+
+def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str]) -> str:
+    first = runs[0]
+    machine, versions = first.machine, first.versions
+    parts = [
+        "# Benchmarks: MetaDist against DDP, ZeRO-2, ZeRO-3 and Megatron-style tensor parallelism",
+        "",
+        "_Generated by `make bench` (`python -m metadist.bench.suite`) from the result files of a real run; "
+        "do not edit by hand._",
+        "",
+        "## Machine and versions (read at run time)",
+        "",
+        f"- CPUs: {machine.get('cpu_count')} ({machine.get('processor')}), {machine.get('platform')}; "
+        f"GPU: {machine.get('gpu')}; backend: {first.backend} on {first.device}",
+        "- " + ", ".join(f"{name} {version}" for name, version in versions.items()),
+        *_load_lines(runs),
+        "",
+        "## Commands",
+        "",
+        "```bash",
+        *commands,
+        *(run.command for run in runs),
+        "```",
+        "",
+        _method_notes(first),
+    ]
+    for run in runs:
+        shapes = ", ".join(f"{key} {tuple(value)}" for key, value in run.batch_shapes.items())
+        parts += [f"## {run.model}: {run.world_size} processes, mesh {'x'.join(map(str, run.mesh_shape))}", "",
+                  f"{run.params:,} parameters; global batch {shapes}; {run.warmup} warm-up and {run.steps} timed steps "
+                  f"after 2 profiled ones.", "", run_table(run), ""]
+    parts += ["## Where MetaDist wins and where it loses", "",
+              "Each line sets MetaDist's better row (ILP or beam) against the best distributed baseline on one "
+              "figure; worst first.", "", *gap_lines(runs), "",
+              "Collectives per step and their mean payload, per method:", "", *call_lines(runs), "",
+              "Why, as far as these figures show: MetaDist's runtime issues one collective per tensor that changes "
+              "sharding, and coalesces none, where DDP reduces all gradients in a few buckets and FSDP2 gathers a "
+              "whole block's parameters in one call. On gloo every call pays a round trip between processes, so a "
+              "hundred small collectives cost more than a few large ones of the same total size. "
+              "The cost model prices each collective with the `cpu-gloo` preset's latency, which is far below what a "
+              "call costs on this shared 2-core machine, so the solver does not see that cost (next section).", ""]
+    prediction = prediction_rows(runs)
+    if prediction:
+        parts += ["## The cost model against the measurements (this machine, `cpu-gloo` preset)", "",
+                  _ratio_summary(prediction), "",
+                  markdown_table(("model", "method", "predicted ms", "measured ms", "measured/predicted",
+                                  "predicted wire/rank", "measured wire/rank", "measured/predicted"), prediction), ""]
+    if scale:
+        from .scale_study import DEVICE_COUNTS, SCALE_MODELS
+
+        missing = missing_scale_cells(scale, SCALE_MODELS, DEVICE_COUNTS)
+        parts += ["## Simulated scale study (cost model only, `%s` preset)" % scale.get("cluster", "?"), "",
+                  "Estimated by the same cost model for every layout; no GPU ran. Layouts that do not fit in 80 GB per "
+                  "GPU are marked **no**. One sequence per GPU (weak scaling). The baselines are the solver's own "
+                  "(`baseline_plan`): each fixes how parameters, optimizer states and the batch lie at the start of "
+                  "the step and lets the ILP choose every other sharding, so each is the cheapest plan of its family "
+                  "by the cost model; where MetaDist's estimate equals one, the ILP found that family cheapest. "
+                  "*megatron* is TP over the inner mesh axis (within a node) and DP over the outer. *solver*: the ILP's status; a plan "
+                  "found at the time limit is the best one found, not a proven optimum. Given the error of the cost "
+                  "model measured above, read these as the model's ranking of the layouts, not as step times.", "",
+                  scale_tables(scale), ""]
+        if missing:
+            parts += [f"Not in this study (the run did not reach them): {', '.join(missing)}.", ""]
+    parts += ["## Plots", ""] + [f"![{title}]({path})" for title, path in images.items()] + [""]
+    return "\n".join(parts)
+
+
+def _load_lines(runs: Sequence[BenchRun]) -> list[str]:
+    """The 1-minute load average when each run ended: the machine may be shared, and timings move with it."""
+    loads = [f"{run.model} {run.machine['load_average_1min']:.1f}" for run in runs if "load_average_1min" in run.machine]
+    if not loads:
+        return []
+    return [f"- 1-minute load average at the end of each run (on {runs[0].machine.get('cpu_count')} CPUs): "
+            f"{', '.join(loads)}. Above the CPU count, processes wait for a core and step times stretch."]
+
+
+def _method_notes(run: BenchRun) -> str:
+    return "\n".join([
+        "## How it is measured",
+        "",
+        "- One invocation runs every method on the same seeded model, the same global batch and the same processes. "
+        "Dropout is off (all dropout probabilities 0), so every method computes the same function; final losses must "
+        f"agree with the single-device loss to a relative {run.loss_rtol:.0e} (column *rel. diff*).",
+        "- *median ms*: the median over the timed steps of the slowest rank's step time (each step starts after a "
+        "barrier); *p25-p75*: its spread. *vs DDP*: median over DDP's median.",
+        "- *comm payload/rank*: bytes of every collective this rank issued in one step, read from the c10d ops of a "
+        "`torch.profiler` trace (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input); "
+        "*wire/rank*: what a ring algorithm sends for them. Gloo carries out reduce-scatter as an all-reduce.",
+        "- *state/peak mem/rank*: on CPU, the running sum of the c10 allocator's allocation events (profiler, "
+        "`profile_memory=True`) from the method's build on: held at the start of the measured step, and at its peak; "
+        "on GPU, `torch.cuda.max_memory_allocated`. MetaDist's rows also keep the user's full model and optimizer "
+        "objects alive (the runtime loads its shards from them), which its state figure includes only for what the "
+        "first step allocates (the optimizer states).",
+        "- ZeRO-2 is FSDP2 with `reshard_after_forward=False`, ZeRO-3 with `True` (one unit per transformer block "
+        "and the root). Megatron TP splits attention and MLP projections column-then-row; embeddings, norms and the LM "
+        "head stay replicated. GPT-2's `Conv1D` layers are converted to equal `nn.Linear` layers for TP. tp-dp is TP "
+        "on the inner mesh axis and FSDP2 (ZeRO-2 style) on the outer.",
+        "- MetaDist's compile time (capture, discovery, solve, lowering) is measured outside the profiler; discovery "
+        "reads the rule database, so it is short once the signatures are known.",
+        "",
+    ])
+
+
+# ---------------------------------------------------------------- plots
+
+
+def plot_all(runs: Sequence[BenchRun], scale: dict | None, image_dir: Path, link_prefix: str) -> dict[str, str]:
+    """Write the PNGs; returns title -> path relative to the page."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    image_dir.mkdir(parents=True, exist_ok=True)
+    images = {}
+    images["step time by method (bars: p25-p75)"] = _bars(
+        runs, lambda r: r.median_step_s * 1e3, "median step time (ms)", image_dir / "step_time.png", link_prefix,
+        spread=lambda r: (r.median_step_s - r.spread_s[0], r.spread_s[1] - r.median_step_s))
+    images["peak memory by method"] = _bars(runs, lambda r: r.peak_memory_bytes / 2**20, "peak memory per rank (MiB)",
+                                            image_dir / "memory.png", link_prefix)
+    compile_path = _compile_plot(runs, scale, image_dir / "compile_time.png", link_prefix)
+    if compile_path:
+        images["MetaDist compile time by model size"] = compile_path
+    predicted_path = _prediction_plot(runs, image_dir / "predicted_vs_measured.png", link_prefix)
+    if predicted_path:
+        images["cost model: predicted vs measured"] = predicted_path
+    return images
+
+
+def _bars(runs: Sequence[BenchRun], value, label: str, path: Path, link_prefix: str, spread=None) -> str:
+    """One panel per run, one bar per method (MetaDist in red); ``spread`` gives (below, above) error bars in seconds."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        ok = [result for result in run.methods if result.ok]
+        errors = None
+        if spread is not None:
+            pairs = [spread(result) for result in ok]
+            errors = [[low * 1e3 for low, _ in pairs], [high * 1e3 for _, high in pairs]]
+        ax.bar([result.method for result in ok], [value(result) for result in ok], yerr=errors, capsize=3,
+               color=["tab:red" if result.method in METADIST else "tab:blue" for result in ok])
+        ax.set_title(f"{run.model} ({run.world_size} procs)")
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", rotation=60)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"{link_prefix}{path.name}"
+
+
+def _compile_points(runs: Sequence[BenchRun], scale: dict | None) -> list[tuple[str, int, dict]]:
+    points = {}
+    for run in runs:
+        for result in run.methods:
+            if result.method == "metadist-ilp" and result.ok and result.compile_s:
+                points[run.model] = (run.params, dict(result.compile_s))
+    for row in (scale or {}).get("rows", []):
+        if row["method"] == "metadist" and row.get("compile_s") and row["devices"] == min(r["devices"] for r in scale["rows"]):
+            points.setdefault(row["model"], (row.get("params", 0), row["compile_s"]))
+    return sorted(((name, params, stages) for name, (params, stages) in points.items()), key=lambda item: item[1])
+
+
+def _compile_plot(runs: Sequence[BenchRun], scale: dict | None, path: Path, link_prefix: str) -> str | None:
+    import matplotlib.pyplot as plt
+
+    points = _compile_points(runs, scale)
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(points)
+    labels = [f"{name}\n{params / 1e6:.1f}M" for name, params, _ in points]
+    for stage in ("capture", "discovery", "solve", "lowering"):
+        heights = [stages.get(stage, 0.0) for _, _, stages in points]
+        ax.bar(labels, heights, bottom=bottom, label=stage)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("seconds")
+    ax.set_title("MetaDist compile time by model size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"{link_prefix}{path.name}"
+
+
+def _prediction_plot(runs: Sequence[BenchRun], path: Path, link_prefix: str) -> str | None:
+    import matplotlib.pyplot as plt
+
+    pairs = [(result.predicted, result, run.model) for run in runs for result in run.methods
+             if result.ok and result.predicted and result.predicted.get("step_s")]
+    if not pairs:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for predicted, result, model in pairs:
+        left.scatter(predicted["step_s"] * 1e3, result.median_step_s * 1e3)
+        left.annotate(f"{model}/{result.method}", (predicted["step_s"] * 1e3, result.median_step_s * 1e3), fontsize=6)
+        if result.comm_wire_bytes is not None and predicted.get("comm_bytes"):
+            right.scatter(predicted["comm_bytes"], result.comm_wire_bytes)
+            right.annotate(f"{model}/{result.method}", (predicted["comm_bytes"], result.comm_wire_bytes), fontsize=6)
+    for ax, what in ((left, "step time (ms)"), (right, "wire bytes per rank")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        low, high = ax.get_xlim()
+        ax.plot([low, high], [low, high], "k--", linewidth=0.8)
+        ax.set_xlabel(f"predicted {what}")
+        ax.set_ylabel(f"measured {what}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"{link_prefix}{path.name}"
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def load_runs(directory: Path) -> list[BenchRun]:
+    files = sorted(directory.glob("*.json"))
+    runs = [BenchRun.from_json(path.read_text()) for path in files if _is_bench_file(path)]
+    if not runs:
+        raise FileNotFoundError(f"no benchmark result files (format metadist.bench) in {directory}; run the harness first")
+    return runs
+
+
+def _is_bench_file(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == "metadist.bench"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, commands: Sequence[str] = ()) -> Path:
+    """Write the page and its images (under ``out``'s folder, ``img/``); returns the page's path."""
+    runs = load_runs(results_dir)
+    scale = json.loads(scale_path.read_text()) if scale_path is not None and scale_path.is_file() else None
+    images = plot_all(runs, scale, out.parent / "img", "img/")
+    from ..cli.common import write_atomically
+
+    write_atomically(out, page(runs, scale, images, commands))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m metadist.bench.report", description=__doc__.split("\n")[0])
+    parser.add_argument("--results", required=True, type=Path, help="folder of harness result JSON files")
+    parser.add_argument("--scale", type=Path, default=None, help="the scale study's JSON")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
+    args = parser.parse_args(argv)
+    write_report(args.results, args.out, args.scale)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

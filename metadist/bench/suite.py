@@ -1,0 +1,88 @@
+"""``make bench``: run the measured benchmarks and the scale study, then write ``docs/benchmarks.md``.
+
+    python -m metadist.bench.suite [--nproc 4] [--models mlp,gpt2-tiny,...] [--skip-scale] [--docs docs]
+
+Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
+files land in ``docs/bench/results/``, the scale study in ``docs/bench/scale_study.json``, and the
+page and its plots are written from them (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .report import write_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SuiteEntry:
+    """One measured configuration."""
+
+    model: str
+    mesh: str
+    """DPxTP mesh for tp-dp and MetaDist ("" for 1-D over all processes)."""
+
+
+DEFAULT_ENTRIES = (
+    SuiteEntry("mlp", ""),
+    SuiteEntry("gpt2-tiny", "2x2"),
+    SuiteEntry("llama-tiny", "2x2"),
+    SuiteEntry("bert-tiny", "2x2"),
+)
+
+
+def harness_argv(entry: SuiteEntry, nproc: int, steps: int, out: Path) -> list[str]:
+    mesh = entry.mesh if nproc == 4 else ""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "metadist.bench.harness", entry.model, "--steps", str(steps), "--out", str(out)]
+    return argv + (["--mesh", mesh] if mesh else [])
+
+
+def _run(argv: list[str]) -> bool:
+    """Run one step of the suite; a failure is logged and the suite goes on with the next."""
+    log.info("running: %s", shlex.join(argv))
+    completed = subprocess.run(argv, check=False)
+    if completed.returncode != 0:
+        log.error("benchmark step failed with exit status %d: %s", completed.returncode, shlex.join(argv))
+    return completed.returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m metadist.bench.suite", description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", default=",".join(entry.model for entry in DEFAULT_ENTRIES))
+    parser.add_argument("--skip-scale", action="store_true", help="keep the existing scale study file")
+    parser.add_argument("--skip-measure", action="store_true", help="keep the existing result files")
+    parser.add_argument("--docs", type=Path, default=Path("docs"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    results = args.docs / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    scale_path = args.docs / "bench" / "scale_study.json"
+    wanted = set(args.models.split(","))
+    commands = []
+    if not args.skip_measure:
+        for entry in DEFAULT_ENTRIES:
+            if entry.model in wanted:
+                _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.model}-{args.nproc}proc.json"))
+    if not args.skip_scale:
+        scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
+        commands.append(shlex.join(["python", *scale_argv[1:]]))
+        _run(scale_argv)
+    report = write_report(results, args.docs / "benchmarks.md", scale_path,
+                          commands=["make bench  # = python -m metadist.bench.suite", *commands])
+    log.info("wrote %s", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

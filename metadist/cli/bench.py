@@ -1,0 +1,85 @@
+"""``metadist bench MODEL --nproc N``: every method side by side on the same model, batch and processes."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark MetaDist against DDP, ZeRO-2, ZeRO-3 and Megatron-style TP",
+        description="Launch N local processes (torchrun; gloo on CPU, NCCL on GPUs) that run every method on MODEL "
+                    "and print step time, bytes communicated, memory and final loss side by side.",
+    )
+    parser.add_argument("model", help="built-in workload name, or path/to/file.py[:function]")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (devices) to launch (default 2)")
+    parser.add_argument("--mesh", default="", help="DPxTP mesh for tp-dp and MetaDist, e.g. 2x2 (default: 1-D over all)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
+    parser.add_argument("--methods", default="", help="comma-separated subset of single,ddp,zero2,zero3,tp,tp-dp,"
+                                                      "metadist-ilp,metadist-beam (default: all)")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--cluster", default=None, help="cost model cluster for MetaDist's plans: a preset or a JSON "
+                                                        "file from 'metadist calibrate' (default: cpu-gloo on CPU)")
+    parser.add_argument("--out", metavar="FILE", help="also keep the result JSON in FILE")
+    parser.set_defaults(handler=run)
+
+
+def harness_command(args: argparse.Namespace, out: str) -> list[str]:
+    """The torchrun command line that runs the harness."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               "-m", "metadist.bench.harness", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--out", out]
+    for flag, value in (("--mesh", args.mesh), ("--methods", args.methods), ("--batch-size", args.batch_size),
+                        ("--seq-len", args.seq_len), ("--cluster", args.cluster)):
+        if value:
+            command += [flag, str(value)]
+    return command
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.results import BenchRun
+    from .main import UsageError
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    with tempfile.TemporaryDirectory() as folder:
+        out = args.out or str(Path(folder) / "bench.json")
+        completed = subprocess.run(harness_command(args, out), check=False)
+        if completed.returncode != 0:
+            raise UsageError(f"the benchmark processes failed (exit status {completed.returncode}); "
+                             "their output above says why")
+        bench = BenchRun.from_json(Path(out).read_text())
+    print_bench(Console(width=200), bench)
+    return 0
+
+
+def print_bench(console: Console, bench: BenchRun) -> None:
+    from ..bench.report import COLUMNS, method_row
+
+    table = Table(title=f"{bench.model}: {bench.world_size} processes ({bench.backend} on {bench.device}), "
+                        f"{bench.steps} timed steps")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for result in bench.methods:
+        cells = method_row(bench, result)
+        if result.ok:
+            table.add_row(*(cells[column] for column in COLUMNS))
+    console.print(table)
+    for result in bench.methods:
+        if not result.ok:
+            console.print(f"[yellow]{result.method}[/yellow]: {result.status}: {result.reason}")
+    disagreeing = {name: diff for name, diff in bench.loss_agreement().items() if diff > bench.loss_rtol}
+    if disagreeing:
+        console.print(f"[red]final losses disagree with the single-device loss beyond {bench.loss_rtol:.0e}: {disagreeing}[/red]")
+    else:
+        console.print(f"final losses agree with the single-device loss within a relative {bench.loss_rtol:.0e}")

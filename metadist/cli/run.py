@@ -1,0 +1,93 @@
+"""``metadist run MODEL --nproc N``: plan and run a workload on N local processes via torchrun.
+
+The command launches ``python -m torch.distributed.run --standalone
+--nproc-per-node N -m metadist.runtime.worker ...`` (gloo on CPU, NCCL with
+CUDA) and returns its exit status; each rank captures, plans, lowers and runs
+(:mod:`metadist.runtime.worker`), and rank 0 prints the plan, each step's loss
+and time, bytes per collective (measured vs predicted) and, with ``--check``,
+the comparison with a single-device run. If one rank fails, torchrun stops the
+others; collectives time out after ``--timeout-s``, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from .main import UsageError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="plan a workload and run it on N local processes (torchrun), optionally checking it",
+        description="Capture MODEL's step, plan it for the mesh, and run it distributed on N local processes.",
+    )
+    parser.add_argument("model", help="built-in workload name, or path/to/file.py[:function] returning a metadist.Workload")
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes (devices) to launch")
+    parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2x2 or dp=2,tp=2 (default: a 1-D mesh of --nproc)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
+    parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget for the solver, GiB")
+    parser.add_argument("--check", action="store_true", help="compare loss, gradients and state with a single-device run")
+    parser.add_argument(
+        "--plan", default="solver",
+        help="solver (default), a baseline (dp, zero2, zero3, megatron), replicate, or a plan JSON file",
+    )
+    parser.add_argument("--cluster", default=None, help="cost-model cluster preset or JSON file (default: cpu-gloo on CPU)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"), help="built-in workloads' optimizer")
+    parser.add_argument("--seed", type=int, default=0, help="seed of random ops (dropout), the same on every rank")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on rendezvous and each collective (s)")
+    parser.add_argument("--compile", metavar="BACKEND", default=None,
+                        help="run each rank's program through torch.compile with BACKEND (e.g. inductor, aot_eager)")
+    parser.add_argument("--check-shapes", action="store_true",
+                        help="run the rank programs op by op, checking local shapes; names the node that fails (slow)")
+    parser.set_defaults(handler=run)
+
+
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line that runs every rank."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+        "-m", "metadist.runtime.worker", args.model,
+        "--steps", str(args.steps), "--plan", args.plan, "--optimizer", args.optimizer,
+        "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),
+    ]
+    if args.mesh:
+        command += ["--mesh", args.mesh]
+    if args.memory_gb is not None:
+        command += ["--memory-gb", str(args.memory_gb)]
+    if args.cluster:
+        command += ["--cluster", args.cluster]
+    if args.check:
+        command.append("--check")
+    if args.compile:
+        command += ["--compile-backend", args.compile]
+    if args.check_shapes:
+        command.append("--check-shapes")
+    if getattr(args, "verbose", False):
+        command.append("--verbose")
+    return command
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..ir import Mesh
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
+    if mesh.size != args.nproc:
+        raise UsageError(
+            f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "
+            f"pass --nproc {mesh.size} or a mesh of {args.nproc} devices"
+        )
+    completed = subprocess.run(worker_command(args), check=False)
+    if completed.returncode != 0:
+        print(
+            f"metadist run: error: the distributed run failed (torchrun exit status {completed.returncode}); "
+            "the failing rank's message is above",
+            file=sys.stderr,
+        )
+    return completed.returncode

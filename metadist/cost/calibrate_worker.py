@@ -1,0 +1,124 @@
+"""One rank of ``metadist calibrate`` (launched by torchrun; the only torch code under ``cost``).
+
+Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each mesh axis's
+process groups for several message sizes (gloo on CPU, NCCL with CUDA); rank 0 also times a
+matmul and a copy for the device's roofline, and writes the measurements as JSON.
+Usage: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+metadist.cost.calibrate_worker --mesh 2x2 --out FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _axis_groups(shape: list[int]) -> list[object]:
+    """For each mesh axis, this rank's group along it (every rank creates every group, in order)."""
+    rank, mine = dist.get_rank(), []
+    world = list(range(dist.get_world_size()))
+    for axis in range(len(shape)):
+        stride = 1
+        for size in shape[axis + 1:]:
+            stride *= size
+        found = None
+        for start in world:
+            if (start // stride) % shape[axis] != 0:
+                continue
+            members = [start + i * stride for i in range(shape[axis])]
+            group = dist.new_group(members)
+            if rank in members:
+                found = group
+        mine.append(found)
+    return mine
+
+
+def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(tensor, group=group)
+    elif op == "all_gather":
+        dist.all_gather([torch.empty_like(tensor) for _ in range(size)], tensor, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter(torch.empty_like(tensor[: tensor.numel() // size]), list(tensor.chunk(size)), group=group)
+    else:
+        dist.all_to_all_single(torch.empty_like(tensor), tensor, group=group)
+
+
+def _time(op: str, nbytes: int, group, size: int, device: torch.device, repeats: int) -> float:
+    tensor = torch.ones(max(size, nbytes // 4 // size * size), dtype=torch.float32, device=device)
+    for _ in range(2):
+        _run(op, tensor, group, size)
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        _run(op, tensor, group, size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - started)
+    seconds = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return float(seconds.item())
+
+
+def _roofline(device: torch.device) -> dict[str, float]:
+    n = 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    flops = 5 * 2 * n**3 / (time.perf_counter() - started)
+    big = torch.empty(16 * 2**20, device=device)
+    started = time.perf_counter()
+    for _ in range(5):
+        big.clone()
+    bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - started)
+    return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 4 or 2x2")
+    parser.add_argument("--sizes", default="4096,65536,1048576,4194304", help="message sizes in bytes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    shape = [int(part) for part in args.mesh.split("x")]
+    groups = _axis_groups(shape)
+    measurements, unsupported = [], []
+    for axis, group in enumerate(groups):
+        for op in OPS:
+            for nbytes in (int(s) for s in args.sizes.split(",")):
+                try:
+                    seconds = _time(op, nbytes, group, shape[axis], device, args.repeats)
+                except (RuntimeError, NotImplementedError, ValueError) as err:  # the backend lacks this collective
+                    unsupported.append({"axis": axis, "op": op, "reason": str(err).splitlines()[0][:200]})
+                    break
+                measurements.append({"axis": axis, "op": op, "bytes": nbytes, "seconds": seconds})
+    if dist.get_rank() == 0:
+        report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "mesh": shape,
+                  "device": _roofline(device), "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                  "memory_capacity_bytes": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
+                  "measurements": measurements, "unsupported": unsupported}
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Lower a plan to the program of one rank: local ops on shards, with resharding between them.
+
+:func:`lower` walks the graph in order. Each node becomes a :class:`LocalOp`
+(the same op, its shape-carrying arguments rewritten for local shards). Where
+a value's current sharding differs from what a consumer requires, a
+:class:`Reshard` comes first and defines a new local value; consumers that
+need the same sharding share it. Graph inputs start in the plan's input
+shardings; graph outputs are resharded to the plan's output shardings, and
+an updated state output must end in the sharding of the input it replaces,
+so that the next step can read it as it is.
+
+Random ops draw the *global* tensor on every rank (from the same generator
+state, in graph order, so each rank sees exactly the values one device would
+draw) and keep the rank's slice: see :class:`RandomDraw`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
+
+from ..ir import Graph, Mesh, Node, Partial, Replicate, Role, TensorSpec, ValueRef, format_sharding
+from ..ir.plan import Plan
+from .errors import LoweringError
+from .reshard import COLLECTIVE_KINDS, ReshardStep, plan_resharding
+from .rewrite import NodeContext, rewrite_node_args
+from .shapes import local_shape, mesh_coordinates
+
+__all__ = ["LocalOp", "RandomDraw", "Reshard", "ProgramInput", "ProgramOutput", "RankProgram", "lower", "lower_for_rank"]
+
+#: Random ops whose first tensor argument gives only a shape (its values are not read).
+SHAPE_ONLY_RANDOM_OPS = frozenset({
+    "aten.bernoulli.p", "aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
+    "aten.randint_like.low_dtype", "aten.uniform.default", "aten.normal.default", "aten.normal_functional.default",
+})
+
+
+@dataclass(frozen=True)
+class RandomDraw:
+    """A random node runs on global shapes and keeps this rank's slice of each output.
+
+    ``shape_input`` is the global shape that replaces the op's first tensor
+    argument (for ops in :data:`SHAPE_ONLY_RANDOM_OPS`; None when the op reads
+    its replicated inputs). Cost: every rank draws, and briefly holds, the
+    whole random tensor, so results do not depend on the mesh.
+    """
+
+    shape_input: tuple[int, ...] | None
+    output_shardings: tuple[tuple | None, ...]
+    output_global_shapes: tuple[tuple[int, ...] | None, ...]
+
+
+@dataclass(frozen=True)
+class LocalOp:
+    """Run ``target`` on local shards. ``args``/``kwargs`` are MetaIR arguments (ValueRef = local value)."""
+
+    node: str
+    target: str
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...]
+    outputs: tuple[str | None, ...]
+    output_local_shapes: tuple[tuple[int, ...] | None, ...]
+    random: RandomDraw | None = None
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """Define local value ``target`` as ``source`` moved from one sharding to another."""
+
+    source: str
+    target: str
+    spec: TensorSpec
+    source_sharding: tuple
+    target_sharding: tuple
+    steps: tuple[ReshardStep, ...]
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(step.comm_bytes for step in self.steps)
+
+
+Instruction = Union[LocalOp, Reshard]
+
+
+@dataclass(frozen=True)
+class ProgramInput:
+    """A graph input as this rank holds it."""
+
+    name: str
+    role: Role
+    spec: TensorSpec
+    sharding: tuple
+    local_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ProgramOutput:
+    """A graph output: the local value that holds it and its sharding."""
+
+    index: int
+    value: str
+    sharding: tuple
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """The program of one rank: inputs, instructions in order, outputs."""
+
+    graph_name: str
+    mesh: Mesh
+    coords: tuple[int, ...]
+    inputs: tuple[ProgramInput, ...]
+    instructions: tuple[Instruction, ...]
+    outputs: tuple[ProgramOutput, ...]
+
+    def reshards(self) -> tuple[Reshard, ...]:
+        return tuple(item for item in self.instructions if isinstance(item, Reshard))
+
+    def predicted_comm(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """Per (collective kind, mesh axis): (number of collectives, bytes this rank sends)."""
+        totals: dict[tuple[str, int], tuple[int, int]] = {}
+        for reshard in self.reshards():
+            for step in reshard.steps:
+                if step.kind in COLLECTIVE_KINDS:
+                    count, nbytes = totals.get((step.kind, step.axis), (0, 0))
+                    totals[(step.kind, step.axis)] = (count + 1, nbytes + step.comm_bytes)
+        return totals
+
+    def to_text(self) -> str:
+        lines = [f"program {self.graph_name} on {self.mesh} at {self.coords}"]
+        lines += [f"  in  %{i.name} {format_sharding(i.sharding)} local {list(i.local_shape)}" for i in self.inputs]
+        for item in self.instructions:
+            if isinstance(item, Reshard):
+                steps = "; ".join(str(step) for step in item.steps) or "(no steps)"
+                lines.append(f"  %{item.target} = reshard %{item.source} {format_sharding(item.source_sharding)} -> "
+                             f"{format_sharding(item.target_sharding)}: {steps}")
+            else:
+                lines.append(f"  {', '.join(f'%{o}' for o in item.outputs if o)} = {item.target}  {item.output_local_shapes}")
+        lines += [f"  out %{o.value} {format_sharding(o.sharding)}" for o in self.outputs]
+        return "\n".join(lines) + "\n"
+
+
+def lower_for_rank(graph: Graph, plan: Plan, rank: int) -> RankProgram:
+    """:func:`lower` for the rank's coordinates on the plan's mesh."""
+    return lower(graph, plan, mesh_coordinates(plan.mesh, rank))
+
+
+def lower(graph: Graph, plan: Plan, coords: Sequence[int]) -> RankProgram:
+    """Lower ``plan`` for ``graph`` to the program of the rank at ``coords`` on the plan's mesh."""
+    _check_plan_covers(graph, plan)
+    lowering = _Lowering(graph, plan, tuple(coords))
+    inputs = lowering.inputs()
+    for node in graph.nodes:
+        lowering.node(node)
+    outputs = lowering.outputs()
+    return RankProgram(graph.name, plan.mesh, tuple(coords), inputs, tuple(lowering.instructions), outputs)
+
+
+class _Lowering:
+    """The walk over the graph: current sharding of every value, instructions so far."""
+
+    def __init__(self, graph: Graph, plan: Plan, coords: tuple[int, ...]) -> None:
+        self.graph, self.plan, self.mesh, self.coords = graph, plan, plan.mesh, coords
+        self.sharding: dict[str, tuple] = {}
+        self.resharded: dict[tuple[str, tuple], str] = {}
+        self.instructions: list[Instruction] = []
+
+    def inputs(self) -> tuple[ProgramInput, ...]:
+        result = []
+        for graph_input in self.graph.inputs:
+            name, spec = graph_input.value.name, graph_input.value.spec
+            sharding = tuple(self.plan.input_shardings[name])
+            if any(isinstance(p, Partial) for p in sharding):
+                raise LoweringError(f"graph input %{name} starts {format_sharding(sharding)}; inputs cannot start Partial")
+            what = f"{graph_input.role} input %{name}"
+            result.append(ProgramInput(name, graph_input.role, spec, sharding, local_shape(spec.shape, sharding, self.mesh, what=what)))
+            self.sharding[name] = sharding
+        return tuple(result)
+
+    def use(self, name: str, wanted: tuple, what: str) -> str:
+        """The local value that holds ``name`` in sharding ``wanted``, resharding on first need."""
+        current = self.sharding[name]
+        wanted = tuple(wanted)
+        if current == wanted:
+            return name
+        key = (name, wanted)
+        if key not in self.resharded:
+            spec = self.graph.value(name).spec
+            steps = plan_resharding(spec.shape, spec.itemsize, current, wanted, self.mesh, self.coords, what=what)
+            target = f"{name}~{len(self.resharded)}"
+            self.instructions.append(Reshard(name, target, spec, current, wanted, steps))
+            self.resharded[key] = target
+            self.sharding[target] = wanted
+        return self.resharded[key]
+
+    def node(self, node: Node) -> None:
+        strategy = self.plan.node_strategies[node.name]
+        names = node.input_names
+        if len(strategy.inputs) != len(names) or len(strategy.outputs) != len(node.outputs):
+            raise LoweringError(
+                f"the plan's strategy for node {node.name!r} has {len(strategy.inputs)} input and "
+                f"{len(strategy.outputs)} output shardings; the node has {len(names)} and {len(node.outputs)}. "
+                "The plan was made for another graph: plan again"
+            )
+        counter = iter(range(len(names)))
+        shape_only = node.op.is_random and node.op.target in SHAPE_ONLY_RANDOM_OPS
+
+        def rename(arg: Any) -> Any:
+            if isinstance(arg, ValueRef):
+                index = next(counter)
+                if shape_only and index == 0:
+                    return arg  # only its dtype and device are read: no resharding
+                what = f"input {index} (%{arg.name}) of node {node.name!r}"
+                return ValueRef(self.use(arg.name, strategy.inputs[index], what))
+            if isinstance(arg, tuple):
+                return tuple(rename(item) for item in arg)
+            return arg
+
+        args = tuple(rename(arg) for arg in node.args)
+        kwargs = {key: rename(arg) for key, arg in node.kwargs}
+        ctx = self._context(node, strategy)
+        random = self._random(node, ctx) if node.op.is_random else None
+        target, args, kwargs = (node.op.target, args, kwargs) if random else rewrite_node_args(ctx, args, kwargs)
+        outputs = tuple(None if value is None else value.name for value in node.outputs)
+        for value, sharding in zip(node.outputs, strategy.outputs):
+            if value is not None:
+                self.sharding[value.name] = tuple(sharding)
+        self.instructions.append(LocalOp(node.name, target, args, tuple(kwargs.items()), outputs, ctx.output_local_shapes, random))
+
+    def _context(self, node: Node, strategy) -> NodeContext:
+        input_specs = tuple(self.graph.value(name).spec for name in node.input_names)
+        output_specs = tuple(None if value is None else value.spec for value in node.outputs)
+        local_shapes = []
+        for value, sharding in zip(node.outputs, strategy.outputs):
+            if value is None:
+                local_shapes.append(None)
+                continue
+            what = f"output %{value.name} of node {node.name!r}"
+            local_shapes.append(local_shape(value.spec.shape, sharding, self.mesh, what=what))
+        input_local = tuple(
+            local_shape(spec.shape, sharding, self.mesh, what=f"input {index} of node {node.name!r}")
+            for index, (spec, sharding) in enumerate(zip(input_specs, strategy.inputs))
+        )
+        return NodeContext(node, input_specs, tuple(map(tuple, strategy.inputs)), input_local, output_specs,
+                           tuple(None if s is None else tuple(s) for s in strategy.outputs), tuple(local_shapes),
+                           self.mesh, self.coords)
+
+    def _random(self, node: Node, ctx: NodeContext) -> RandomDraw:
+        shape_only = node.op.target in SHAPE_ONLY_RANDOM_OPS
+        for index, sharding in enumerate(ctx.input_shardings):
+            if shape_only and index == 0:
+                continue
+            if any(not isinstance(p, Replicate) for p in sharding):
+                raise LoweringError(
+                    f"random node {node.name!r} ({node.op.target}) reads input {index} as {format_sharding(sharding)}; "
+                    "MetaDist draws random tensors whole on every rank and needs that input replicated. "
+                    "Plan this node with a replicated strategy"
+                )
+        for sharding in ctx.output_shardings:
+            if sharding is not None and any(isinstance(p, Partial) for p in sharding):
+                raise LoweringError(f"random node {node.name!r} cannot produce a Partial output {format_sharding(sharding)}")
+        return RandomDraw(
+            shape_input=ctx.input_specs[0].shape if shape_only else None,
+            output_shardings=ctx.output_shardings,
+            output_global_shapes=tuple(None if spec is None else spec.shape for spec in ctx.output_specs),
+        )
+
+    def outputs(self) -> tuple[ProgramOutput, ...]:
+        result = []
+        for index, (graph_output, sharding) in enumerate(zip(self.graph.outputs, self.plan.output_shardings)):
+            sharding = tuple(sharding)
+            if graph_output.replaces is not None:
+                start = tuple(self.plan.input_shardings[graph_output.replaces])
+                if start != sharding:
+                    raise LoweringError(
+                        f"the plan ends state output %{graph_output.name} in {format_sharding(sharding)}, but the input "
+                        f"it replaces (%{graph_output.replaces}) starts in {format_sharding(start)}; updated state must "
+                        "end where it starts. The plan is inconsistent: plan again"
+                    )
+            what = f"graph output %{graph_output.name} ({graph_output.role})"
+            result.append(ProgramOutput(index, self.use(graph_output.name, sharding, what), sharding))
+        return tuple(result)
+
+
+def _check_plan_covers(graph: Graph, plan: Plan) -> None:
+    missing = [node.name for node in graph.nodes if node.name not in plan.node_strategies]
+    missing_inputs = [i.value.name for i in graph.inputs if i.value.name not in plan.input_shardings]
+    if missing or missing_inputs or len(plan.output_shardings) != len(graph.outputs):
+        raise LoweringError(
+            f"the plan does not cover graph {graph.name!r}: {len(missing)} node(s) without a strategy "
+            f"(e.g. {missing[:3]}), {len(missing_inputs)} input(s) without a sharding (e.g. {missing_inputs[:3]}), "
+            f"{len(plan.output_shardings)} output shardings for {len(graph.outputs)} outputs. Plan this graph again"
+        )

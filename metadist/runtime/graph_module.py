@@ -1,0 +1,159 @@
+"""Build a rank's program as an ordinary ``torch.fx.GraphModule``.
+
+The module takes the rank's local input shards (graph input order) and
+returns the local output shards (graph output order). Local ops are
+``call_function`` nodes on the same ATen operators; resharding steps are
+``call_method`` nodes on the ``comm`` submodule (:class:`Collectives`) or
+``call_function`` nodes for local slices. Nothing in it is specific to CPU:
+``torch.compile`` may be applied to it on GPUs.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from ..frontends.torch.execute import materialize, resolve_op
+from ..ir import Shard
+from ..lowering import LocalOp, RankProgram, Reshard, ReshardStep
+from .collectives import Collectives, local_slice, zero_partial
+from .errors import LocalOpError
+
+__all__ = ["build_rank_module", "draw_random", "CheckingInterpreter"]
+
+
+def build_rank_module(program: RankProgram, comm: Collectives, device: torch.device | None = None) -> torch.fx.GraphModule:
+    """The fx GraphModule that runs ``program`` with the collectives of ``comm``.
+
+    ``device``: where factory ops create tensors (the captured graph names the
+    capture's device, the CPU); None keeps the graph's devices.
+    """
+    root = torch.nn.Module()
+    root.comm = comm
+    graph = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for program_input in program.inputs:
+        env[program_input.name] = graph.placeholder(_identifier(program_input.name))
+    comm_node = graph.get_attr("comm")
+    for instruction in program.instructions:
+        if isinstance(instruction, Reshard):
+            node = env[instruction.source]
+            for step in instruction.steps:
+                node = _emit_step(graph, comm_node, node, step)
+            env[instruction.target] = node
+        else:
+            _emit_local_op(graph, env, instruction, program, device)
+    graph.output(tuple(env[output.value] for output in program.outputs))
+    graph.lint()
+    return torch.fx.GraphModule(root, graph, class_name=f"Rank{'_'.join(map(str, program.coords))}Program")
+
+
+def _emit_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.Node, step: ReshardStep) -> torch.fx.Node:
+    if step.kind == "all_gather":
+        return graph.call_method("all_gather", (comm, node, step.axis, step.dim))
+    if step.kind == "all_reduce":
+        return graph.call_method("all_reduce", (comm, node, step.axis, step.op))
+    if step.kind == "reduce_scatter":
+        return graph.call_method("reduce_scatter", (comm, node, step.axis, step.op, step.dim))
+    if step.kind == "all_to_all":
+        return graph.call_method("all_to_all", (comm, node, step.axis, step.dim, step.split_dim))
+    if step.kind == "local_slice":
+        return graph.call_function(local_slice, (node, step.dim, step.coordinate, step.axis_size))
+    if step.kind == "zero_partial":
+        return graph.call_function(zero_partial, (node, step.coordinate))
+    raise ValueError(f"unknown resharding step kind {step.kind!r}")
+
+
+def _emit_local_op(graph: torch.fx.Graph, env: dict, op: LocalOp, program: RankProgram, device: torch.device | None) -> None:
+    args = tuple(_on_device(materialize(arg, env), device) for arg in op.args)
+    kwargs = {key: _on_device(materialize(arg, env), device) for key, arg in op.kwargs}
+    if op.random is not None:
+        slices = tuple(
+            None if sharding is None else _slices(shape, sharding, program)
+            for shape, sharding in zip(op.random.output_global_shapes, op.random.output_shardings)
+        )
+        node = graph.call_function(draw_random, (op.target, op.random.shape_input, slices, len(op.outputs), *args), kwargs)
+    else:
+        node = graph.call_function(resolve_op(op.target), args, kwargs)
+    node.meta["metadist_node"] = op.node
+    node.meta["metadist_local_shapes"] = op.output_local_shapes
+    if len(op.outputs) == 1:
+        env[op.outputs[0]] = node
+        return
+    for index, name in enumerate(op.outputs):
+        if name is not None:
+            env[name] = graph.call_function(operator.getitem, (node, index))
+
+
+def _on_device(value: Any, device: torch.device | None) -> Any:
+    """A device argument moved to ``device`` (lists searched too)."""
+    if device is None:
+        return value
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, list):
+        return [_on_device(item, device) for item in value]
+    return value
+
+
+def _slices(global_shape: Sequence[int], sharding: tuple, program: RankProgram) -> tuple[tuple[int, int, int], ...]:
+    """(dim, coordinate, parts) per sharded axis, in axis order: the nested slices of this rank."""
+    return tuple(
+        (placement.dim, program.coords[axis], program.mesh.shape[axis])
+        for axis, placement in enumerate(sharding)
+        if isinstance(placement, Shard)
+    )
+
+
+def draw_random(target: str, shape_input: tuple | None, slices: tuple, n_outputs: int, *args: Any, **kwargs: Any) -> Any:
+    """Run a random op on global shapes, then keep this rank's slice of each output.
+
+    Every rank draws the whole tensor from the same generator state, so each
+    shard holds exactly the values a single device would have drawn there.
+    """
+    if shape_input is not None:
+        like = args[0]
+        args = (torch.empty(shape_input, dtype=like.dtype, device=like.device), *args[1:])
+    result = resolve_op(target)(*args, **kwargs)
+    results = (result,) if n_outputs == 1 else tuple(result)
+    local = []
+    for tensor, output_slices in zip(results, slices):
+        for dim, coordinate, parts in output_slices or ():
+            tensor = local_slice(tensor, dim, coordinate, parts)
+        local.append(tensor)
+    return local[0] if n_outputs == 1 else tuple(local)
+
+
+def _identifier(name: str) -> str:
+    cleaned = "".join(ch if ch.isalnum() else "_" for ch in name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else f"v_{cleaned}"
+
+
+class CheckingInterpreter(torch.fx.Interpreter):
+    """Runs a rank module node by node, checking each op's local output shapes against the lowering's.
+
+    Slower than the module's generated code; a failure names the MetaIR node,
+    its op, and the shapes it got, instead of a line of generated code.
+    """
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        try:
+            result = super().run_node(node)
+        except Exception as err:  # re-raised with the MetaIR node named, the cause chained
+            if "metadist_node" not in node.meta:
+                raise
+            shapes = [tuple(arg.shape) for arg in self.fetch_args_kwargs_from_env(node)[0] if isinstance(arg, torch.Tensor)]
+            raise LocalOpError(
+                f"node {node.meta['metadist_node']!r} ({node.target}) failed on local inputs of shapes {shapes}: {err}"
+            ) from err
+        expected = node.meta.get("metadist_local_shapes")
+        if expected is not None:
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            got = tuple(tuple(r.shape) if isinstance(r, torch.Tensor) else None for r in results)
+            want = tuple(None if shape is None else tuple(shape) for shape in expected)
+            if len(got) == len(want) and any(w is not None and g != w for g, w in zip(got, want)):
+                raise LocalOpError(f"node {node.meta['metadist_node']!r} ({node.target}) made local shapes {got}, the lowering expects {want}")
+        return result

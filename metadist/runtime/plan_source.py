@@ -1,0 +1,89 @@
+"""Where a run's plan comes from: the solver (default), a baseline, the all-replicate plan, or a plan file."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ..frontends.torch import TorchStep
+from ..ir import Mesh
+from ..ir.plan import Plan
+from ..lowering import replicate_plan
+from .errors import RuntimeSetupError
+
+__all__ = ["load_plan", "plan_decisions", "PLAN_SOURCES"]
+
+log = logging.getLogger(__name__)
+
+#: Plan sources that are not files.
+PLAN_SOURCES = ("solver", "replicate", "dp", "zero2", "zero3", "megatron")
+
+
+def load_plan(
+    source: str,
+    torch_step: TorchStep,
+    mesh: Mesh,
+    metadist_version: str,
+    memory_budget_bytes: int | None,
+    cluster: str | None = None,
+) -> Plan:
+    """The plan for ``torch_step.graph`` on ``mesh`` from ``source`` (checked against the graph).
+
+    ``source``: ``solver`` (ShardCombine's rules, then the ILP), ``replicate``, a
+    solver baseline (``dp``, ``zero2``, ``zero3``, ``megatron``) or a plan JSON file.
+    ``cluster``: the cost model's cluster preset or file (None: ``cpu-gloo`` on CPU).
+    """
+    graph = torch_step.graph
+    if source == "replicate":
+        plan = replicate_plan(graph, mesh, metadist_version)
+    elif source in PLAN_SOURCES:
+        plan = _solver_plan(torch_step, mesh, source, memory_budget_bytes, cluster)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise RuntimeSetupError(f"--plan {source!r} is neither one of {', '.join(PLAN_SOURCES)} nor a plan file")
+        plan = Plan.from_json(path.read_text())
+    plan.check_for(graph, metadist_version)
+    log.info("plan from %s: %d node strategies on mesh %s", source, len(plan.node_strategies), plan.mesh)
+    if plan.mesh.shape != mesh.shape:
+        raise RuntimeSetupError(f"the plan is for a {plan.mesh} mesh, the run has {mesh}; plan for {mesh} or pass --mesh")
+    return plan
+
+
+def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None) -> Plan:
+    """Rules from ShardCombine (rank 0 discovers and fills the rule database first), then the solver."""
+    import torch
+    import torch.distributed as dist
+
+    from ..cost.cluster import resolve_cluster
+    from ..frontends.torch.discovery import TorchExecutor
+    from ..shardcombine.api import graph_rules
+    from ..shardcombine.database import RuleDatabase
+    from ..solver import baseline_plan, plan_graph
+
+    if cluster is None and not torch.cuda.is_available():
+        cluster = "cpu-gloo"
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    with RuleDatabase() as db:
+        if first:
+            rules = graph_rules(torch_step.graph, TorchExecutor(), db=db)
+        if dist.is_initialized():
+            dist.barrier()
+        if not first:
+            rules = graph_rules(torch_step.graph, TorchExecutor(), db=db)
+    resolved = resolve_cluster(cluster, mesh)
+    if source == "solver":
+        return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes)
+    return baseline_plan(torch_step.graph, rules, resolved, source)
+
+
+def plan_decisions(plan: Plan) -> str:
+    """The plan's decisions as canonical JSON: what every rank must agree on.
+
+    Solver statistics and estimates (timings) are left out: they may differ
+    between ranks without changing what runs.
+    """
+    data = plan.to_dict()
+    keep = ("graph_fingerprint", "metadist_version", "mesh", "node_strategies", "input_shardings", "output_shardings")
+    return json.dumps({key: data[key] for key in keep}, sort_keys=True)

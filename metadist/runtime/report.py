@@ -1,0 +1,96 @@
+"""What a run prints (rank 0 only): the plan, each step, bytes per collective, the check."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping
+
+from rich.console import Console
+from rich.table import Table
+
+from ..cli.common import human_bytes
+from ..ir import format_sharding
+from ..ir.plan import Plan
+from ..lowering import RankProgram
+
+__all__ = ["Reporter"]
+
+
+class Reporter:
+    """Prints with rich on one rank; does nothing on the others."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.console = Console(stderr=False)
+
+    def plan(self, plan: Plan, plan_hash: str, program: RankProgram) -> None:
+        if not self.enabled:
+            return
+        kinds = Counter(
+            "+".join(sorted({choice.kind for choice in strategy.choices})) for strategy in plan.node_strategies.values()
+        )
+        self.console.print(
+            f"[bold]plan[/bold] {plan_hash} for {plan.graph_name!r} on mesh {plan.mesh} "
+            f"(source: {plan.solver.get('kind', 'solver')}): {len(plan.node_strategies)} nodes, "
+            + ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
+        )
+        shardings = Counter(format_sharding(s) for s in plan.input_shardings.values())
+        self.console.print("input shardings: " + ", ".join(f"{text} x{count}" for text, count in shardings.most_common()))
+        self.console.print(f"rank program: {len(program.instructions)} instructions, {len(program.reshards())} reshards")
+
+    def step(self, step: int, loss: float, seconds: float) -> None:
+        if self.enabled:
+            self.console.print(f"step {step}: loss {loss:.6f}  ({seconds * 1e3:.1f} ms)")
+
+    def comm(self, records: Mapping, predicted: Mapping, steps: int) -> None:
+        if not self.enabled:
+            return
+        table = Table(title=f"collectives per rank over {steps} step(s): measured vs predicted")
+        for column in ("phase", "collective", "axis", "count", "measured bytes", "predicted bytes"):
+            table.add_column(column, justify="right" if column not in ("phase", "collective") else "left")
+        keys = sorted({(phase, kind, axis) for phase, kind, axis in records} | {("step", k, a) for k, a in predicted})
+        for phase, kind, axis in keys:
+            record = records.get((phase, kind, axis))
+            count, nbytes = (record.count, record.bytes) if record else (0, 0)
+            want = predicted.get((kind, axis)) if phase == "step" else None
+            table.add_row(phase, kind, str(axis), str(count), human_bytes(nbytes),
+                          "-" if want is None else human_bytes(want[1] * steps))
+        if not keys:
+            table.add_row("step", "(none)", "-", "0", "0 B", "0 B")
+        self.console.print(table)
+
+    def solver_estimate(self, plan: Plan, records: Mapping, steps: int) -> None:
+        """The solver's per-axis byte estimate next to what ran (the cost model's check)."""
+        estimated = plan.estimate.get("comm_bytes_by_axis") if self.enabled else None
+        if not estimated:
+            return
+        measured = {name: 0 for name in plan.mesh.axis_names}
+        for (phase, _, axis), record in records.items():
+            if phase == "step":
+                measured[plan.mesh.axis_names[axis]] += record.bytes
+        parts = [f"{name}: measured {human_bytes(measured.get(name, 0) / steps)}, solver {human_bytes(float(value))}"
+                 for name, value in estimated.items()]
+        self.console.print("bytes per step by axis (solver's estimate): " + "; ".join(parts))
+
+    def check(self, report) -> None:
+        if not self.enabled:
+            return
+        worst = report.worst()
+        by_kind: dict[str, tuple[float, float]] = {}
+        for d in report.differences:
+            kind = d.name.split(":")[0].split("[")[0]
+            old = by_kind.get(kind, (0.0, 0.0))
+            by_kind[kind] = (max(old[0], d.max_abs), max(old[1], d.max_rel))
+        table = Table(title=f"check against one device (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})")
+        for column in ("what", "max abs diff", "max rel diff"):
+            table.add_column(column)
+        for kind, (max_abs, max_rel) in by_kind.items():
+            table.add_row(kind, f"{max_abs:.3g}", f"{max_rel:.3g}")
+        self.console.print(table)
+        verdict = "[green]PASS[/green]" if report.ok else f"[red]FAIL[/red] (worst: {worst.name})"
+        excused = [d for d in report.differences if d.excused]
+        note = ""
+        if excused:
+            note = (f"; {sum(d.excused for d in excused)} noise-dominated parameter element(s) excused in "
+                    f"{', '.join(d.name for d in excused[:3])}")
+        self.console.print(f"check: {verdict} over {len(report.differences)} tensors{note}")

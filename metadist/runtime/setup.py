@@ -1,0 +1,66 @@
+"""Process group and DeviceMesh setup from the torchrun environment."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..ir import Mesh
+from .env import TorchrunEnv
+from .errors import RuntimeSetupError
+
+__all__ = ["setup_device_mesh", "check_mesh_size", "check_same_everywhere", "teardown"]
+
+log = logging.getLogger(__name__)
+
+
+def check_mesh_size(mesh: Mesh, world_size: int) -> None:
+    """The mesh must hold exactly one device per process."""
+    if mesh.size != world_size:
+        raise RuntimeSetupError(
+            f"the mesh {mesh} has {mesh.size} devices but the job has {world_size} processes (world size); "
+            f"launch {mesh.size} processes (--nproc {mesh.size}) or pick a mesh of {world_size} devices"
+        )
+
+
+def setup_device_mesh(mesh: Mesh, env: TorchrunEnv, *, timeout_s: float = 120.0) -> DeviceMesh:
+    """Initialise the default process group (NCCL with CUDA, else gloo) and the DeviceMesh.
+
+    ``timeout_s`` bounds the rendezvous and every collective: if one rank fails,
+    the others raise instead of hanging.
+    """
+    check_mesh_size(mesh, env.world_size)
+    use_cuda = torch.cuda.is_available()
+    backend, device_type = ("nccl", "cuda") if use_cuda else ("gloo", "cpu")
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    log.info("rank %d/%d: %s process group up, mesh %s", env.rank, env.world_size, backend, mesh)
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+
+
+def check_same_everywhere(text: str, what: str) -> str:
+    """All-gather a hash of ``text`` and fail unless every rank holds the same one. Returns the hash."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digest)
+    differing = {rank: value for rank, value in enumerate(gathered) if value != digest}
+    if differing:
+        raise RuntimeSetupError(
+            f"the ranks hold different {what}s: this rank ({dist.get_rank()}) has {digest}, ranks "
+            f"{sorted(differing)} have {sorted(set(differing.values()))}. Planning must be deterministic; "
+            "pass the same --plan FILE to every rank"
+        )
+    return digest
+
+
+def teardown() -> None:
+    """Destroy the default process group if one is up."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

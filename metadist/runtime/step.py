@@ -1,0 +1,196 @@
+"""``CompiledStep``: one distributed training step, run from the user's model, optimizer and batch.
+
+On the first call the step takes the full state from the model and the
+optimizer (params, buffers, optimizer states; every rank slices its shard of
+the full tensors) and keeps the shards between steps: updated state never
+leaves its shards, so the model and optimizer are not touched until
+:meth:`CompiledStep.write_back`. Every call slices the rank's piece of the
+global batch. The loss (and any other user output) comes back whole.
+
+Weights: a model on a real device is sharded from its full tensors. A model
+on the meta device is not supported yet: materialise it first (its shards
+would have to reproduce a single-device initialisation).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..frontends.torch import TorchStep
+from ..ir import Replicate, Role, Shard
+from ..ir.plan import Plan
+from ..lowering import RankProgram, lower, plan_resharding
+from .collectives import Collectives, run_steps
+from .errors import RunInputError, RuntimeSetupError
+from .graph_module import CheckingInterpreter, build_rank_module
+
+__all__ = ["CompiledStep", "shard_full_tensor"]
+
+log = logging.getLogger(__name__)
+
+_STATE_KINDS = ("param", "buffer", "state", "constant")
+
+
+class CompiledStep:
+    """The distributed step of one rank: lowered program, its GraphModule, and the state shards."""
+
+    def __init__(
+        self,
+        torch_step: TorchStep,
+        plan: Plan,
+        device_mesh: DeviceMesh,
+        *,
+        metadist_version: str,
+        check_shapes: bool = False,
+        compile_backend: str | None = None,
+    ) -> None:
+        """``check_shapes`` runs the program op by op and names the MetaIR node that fails (slower);
+        ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs)."""
+        if check_shapes and compile_backend:
+            raise RunInputError("check_shapes runs the program op by op; it cannot be combined with torch.compile")
+        plan.check_for(torch_step.graph, metadist_version)
+        if tuple(device_mesh.shape) != plan.mesh.shape:
+            raise RuntimeSetupError(
+                f"the plan is for a {plan.mesh} mesh but the device mesh is {tuple(device_mesh.shape)}; "
+                "plan for this mesh or launch with the plan's mesh"
+            )
+        self.torch_step = torch_step
+        self.plan = plan
+        self.coords = tuple(device_mesh.get_coordinate())
+        self.program: RankProgram = lower(torch_step.graph, plan, self.coords)
+        self.comm = Collectives.from_device_mesh(device_mesh)
+        self.device = _device_of(device_mesh)
+        self.module = build_rank_module(self.program, self.comm, self.device)
+        log.info("rank at %s: %d instructions, %d reshards, on %s", self.coords, len(self.program.instructions),
+                 len(self.program.reshards()), self.device)
+        self._state: dict[str, torch.Tensor] | None = None
+        self._grads: dict[str, torch.Tensor] = {}
+        self._slots = {slot.name: slot for slot in torch_step.slots}
+        self.check_shapes = check_shapes
+        self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
+
+    # -- running -------------------------------------------------------------
+    def __call__(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> Any:
+        """Run one step; returns what the user's step returns (the loss), whole on every rank."""
+        if self._state is None:
+            self._state = self._load_state(model, optimizer, batch)
+        inputs = self._inputs(batch)
+        outputs = CheckingInterpreter(self.module).run(*inputs) if self.check_shapes else self._forward(*inputs)
+        return self._store(outputs)
+
+    def _load_state(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> dict[str, torch.Tensor]:
+        if any(tensor.device.type == "meta" for tensor in model.parameters()):
+            raise RuntimeSetupError(
+                "the model is on the meta device: the runtime shards real weights (each rank slices its shard of "
+                "the full tensors). Build the model on a real device; meta-device initialisation of shards is not "
+                "supported yet"
+            )
+        full = self.torch_step.gather_inputs(model, optimizer, batch)
+        state = {}
+        for program_input, tensor in zip(self.program.inputs, full):
+            if self._slots[program_input.name].kind in _STATE_KINDS:
+                piece = shard_full_tensor(tensor, program_input.sharding, self.plan.mesh.shape, self.coords)
+                state[program_input.name] = piece.to(self.device)
+        return state
+
+    def _inputs(self, batch: Any) -> list[torch.Tensor]:
+        leaves = pytree.tree_flatten(batch)[0]
+        inputs = []
+        for program_input in self.program.inputs:
+            slot = self._slots[program_input.name]
+            if slot.kind != "batch":
+                inputs.append(self._state[program_input.name])
+                continue
+            leaf = leaves[slot.index] if slot.index < len(leaves) else None
+            if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != program_input.spec.shape:
+                got = "nothing" if leaf is None else f"{type(leaf).__name__} {tuple(getattr(leaf, 'shape', ()))}"
+                raise RunInputError(
+                    f"batch leaf {slot.key!r} was captured as {program_input.spec} and planned so; this batch has {got}. "
+                    "Batch shapes are part of the plan: capture and plan again for new shapes"
+                )
+            piece = shard_full_tensor(leaf, program_input.sharding, self.plan.mesh.shape, self.coords)
+            inputs.append(piece.to(self.device))
+        return inputs
+
+    def _store(self, outputs: tuple[torch.Tensor, ...]) -> Any:
+        user_leaves = []
+        for graph_output, program_output, tensor in zip(self.torch_step.graph.outputs, self.program.outputs, outputs):
+            if graph_output.replaces is not None:
+                self._state[graph_output.replaces] = tensor
+            elif graph_output.role is Role.GRAD:
+                self._grads[graph_output.source.removeprefix("grad:")] = tensor
+            else:
+                user_leaves.append(self._gather(tensor, graph_output.name, program_output.sharding))
+        return pytree.tree_unflatten(user_leaves, self.torch_step.output_tree)
+
+    # -- full tensors on request ---------------------------------------------
+    def _gather(self, local: torch.Tensor, value_name: str, sharding: tuple) -> torch.Tensor:
+        """The whole tensor from this rank's shard (collectives counted as ``boundary``)."""
+        spec = self.torch_step.graph.value(value_name).spec
+        whole = tuple(Replicate() for _ in sharding)
+        steps = plan_resharding(spec.shape, spec.itemsize, sharding, whole, self.plan.mesh, self.coords, what=f"%{value_name}")
+        with self.comm.counting_as("boundary"):
+            return run_steps(self.comm, local, steps)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter, buffer and optimizer state, by graph input name (collective)."""
+        self._require_state()
+        by_name = {program_input.name: program_input for program_input in self.program.inputs}
+        return {
+            name: self._gather(local, name, by_name[name].sharding)
+            for name, local in self._state.items()
+            if self._slots[name].kind != "constant"
+        }
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the last step by parameter name (captured with ``keep_grads=True``; collective)."""
+        result = {}
+        for graph_output, program_output in zip(self.torch_step.graph.outputs, self.program.outputs):
+            if graph_output.role is Role.GRAD:
+                name = graph_output.source.removeprefix("grad:")
+                result[name] = self._gather(self._grads[name], graph_output.name, program_output.sharding)
+        return result
+
+    def write_back(self, model: torch.nn.Module, optimizer: Any) -> None:
+        """Copy the full state into the model and the optimizer (collective: every rank must call it)."""
+        full = self.state_dict()
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in full.items():
+                slot = self._slots[name]
+                if slot.kind == "param":
+                    params[slot.key].copy_(tensor)
+                elif slot.kind == "buffer":
+                    buffers[slot.key].copy_(tensor)
+                elif slot.kind == "state":
+                    optimizer.state[params[slot.key]][slot.state_key] = tensor.to(params[slot.key].device)
+
+    def comm_records(self) -> Mapping:
+        """Collectives executed so far: (phase, kind, axis) -> CommRecord."""
+        return dict(self.comm.records)
+
+    def _require_state(self) -> None:
+        if self._state is None:
+            raise RunInputError("the compiled step holds no state yet: call it once with (model, optimizer, batch)")
+
+
+def _device_of(device_mesh: DeviceMesh) -> torch.device:
+    """This rank's device: the current CUDA device on a CUDA mesh, else the CPU."""
+    if device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_mesh.device_type)
+
+
+def shard_full_tensor(tensor: torch.Tensor, sharding: tuple, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:
+    """This rank's shard of a full tensor (nested slices in axis order), as its own contiguous copy."""
+    local = tensor
+    for axis, placement in enumerate(sharding):
+        if isinstance(placement, Shard):
+            length = local.shape[placement.dim] // mesh_shape[axis]
+            local = local.narrow(placement.dim, coords[axis] * length, length)
+    return local.clone()

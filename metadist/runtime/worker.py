@@ -1,0 +1,161 @@
+"""The per-rank entry point that ``metadist run`` launches through torchrun.
+
+Each rank, as a recipe: read the torchrun environment, set up the device
+mesh, load the workload, capture its step, make the plan (every rank makes
+it deterministically, then all ranks prove they hold the same one), lower
+it, run K steps, report loss, time and bytes per collective; with
+``--check``, compare with the same steps on a single device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..ir import Mesh
+from .env import read_torchrun_env
+from .errors import USER_ERRORS
+from .setup import check_same_everywhere, setup_device_mesh, teardown
+
+__all__ = ["WorkerConfig", "main", "parse_args"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What one run does; the same on every rank."""
+
+    model: str
+    """Built-in workload name or path/to/file.py[:function]."""
+    mesh: Mesh
+    """The device mesh; its size must equal the world size."""
+    steps: int
+    """Training steps to run."""
+    plan: str
+    """``solver`` (default), ``replicate``, a baseline (``dp``, ``zero2``, ``zero3``, ``megatron``) or a plan JSON file."""
+    memory_budget_bytes: int | None
+    """Per-device memory budget for the solver; None for no budget."""
+    check: bool
+    """Compare against the same steps on a single device."""
+    seed: int
+    """Seed of the random ops (dropout), the same on every rank and in the reference."""
+    timeout_s: float
+    """Bound on the rendezvous and every collective: a failed rank makes the others exit, never hang."""
+    optimizer: str
+    """Built-in workloads only: adamw, adam or sgd."""
+    cluster: str | None
+    """Cost model cluster preset or file for the solver (None: ``cpu-gloo`` on CPU)."""
+    check_shapes: bool = False
+    """Run the rank program op by op, checking local shapes and naming a failing node (slower)."""
+    compile_backend: str | None = None
+    """Run the rank program through ``torch.compile`` with this backend; None runs it as is."""
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    parser = argparse.ArgumentParser(prog="python -m metadist.runtime.worker")
+    parser.add_argument("model")
+    parser.add_argument("--mesh", default="")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--plan", default="solver")
+    parser.add_argument("--memory-gb", type=float, default=None)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--cluster", default=None)
+    parser.add_argument("--check-shapes", action="store_true")
+    parser.add_argument("--compile-backend", default=None)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    world_size = read_torchrun_env().world_size
+    mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((world_size,))
+    return WorkerConfig(
+        model=args.model, mesh=mesh, steps=args.steps, plan=args.plan,
+        memory_budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
+        check=args.check, seed=args.seed, timeout_s=args.timeout_s, optimizer=args.optimizer,
+        cluster=args.cluster, check_shapes=args.check_shapes,
+        compile_backend=args.compile_backend,
+    )
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """The recipe; returns the exit status."""
+    from .. import __version__
+    from ..frontends.torch import capture_step
+    from .plan_source import load_plan, plan_decisions
+    from .report import Reporter
+    from .step import CompiledStep
+
+    env = read_torchrun_env()
+    device_mesh = setup_device_mesh(config.mesh, env, timeout_s=config.timeout_s)
+    reporter = Reporter(enabled=env.rank == 0)
+    workload = _load_workload(config)
+    optimizer = workload.optimizer(workload.model.parameters())
+    train_step = workload.train_step()
+    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
+    plan = load_plan(config.plan, torch_step, config.mesh, __version__, config.memory_budget_bytes, config.cluster)
+    plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
+    log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
+    reference = _reference(config, workload, train_step) if config.check else None
+    compiled = CompiledStep(torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=config.check_shapes,
+                            compile_backend=config.compile_backend)
+    reporter.plan(plan, plan_hash, compiled.program)
+    torch.manual_seed(config.seed)
+    losses = []
+    for step in range(config.steps):
+        started = time.perf_counter()
+        loss = compiled(workload.model, optimizer, workload.batch)
+        losses.append(float(loss))
+        reporter.step(step, losses[-1], time.perf_counter() - started)
+    reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), config.steps)
+    reporter.solver_estimate(plan, compiled.comm_records(), config.steps)
+    if reference is not None:
+        from .check import compare_runs
+
+        report = compare_runs(reference, losses, compiled.state_dict(), compiled.grads())
+        reporter.check(report)
+        report.raise_if_failed()
+    return 0
+
+
+def _load_workload(config: WorkerConfig):
+    from ..workloads import builtin_workload, load_workload
+    from ..workloads.builtin import BUILTINS
+
+    if config.model in BUILTINS:
+        return builtin_workload(config.model, optimizer=config.optimizer)
+    return load_workload(config.model)
+
+
+def _reference(config: WorkerConfig, workload, train_step):
+    from .check import reference_run
+
+    return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; user errors print one line and exit 2, so that torchrun stops the other ranks."""
+    from ..cli.main import user_error_types
+
+    try:
+        return run_worker(parse_args(argv))
+    except Exception as err:  # report the user's errors in one line; anything else keeps its traceback
+        if isinstance(err, user_error_types() + USER_ERRORS):
+            rank = os.environ.get("RANK", "?")
+            print(f"metadist run (rank {rank}): error: {err}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

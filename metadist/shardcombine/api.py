@@ -1,0 +1,147 @@
+"""Rules for a whole graph: group nodes by signature, discover once per signature.
+
+:func:`graph_rules` is what the planner calls. It looks each signature up in a
+rule database first (an object with :class:`RuleStore`'s ``get``/``put``; the
+SQLite one is ``metadist.shardcombine.database``), discovers the rest, and
+stores what it found, rules and 'no rule' reasons alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Protocol
+
+from ..ir import Graph, Rule
+from .discover import DiscoveryConfig, NoRule, discover
+from .executor import OpCall, OpExecutor, op_call
+from .signature import OpSignature, signature_of
+
+__all__ = ["DiscoveryStats", "GraphRules", "RuleStore", "graph_rules", "signature_groups"]
+
+log = logging.getLogger(__name__)
+
+
+class RuleStore(Protocol):
+    """What :func:`graph_rules` needs of a rule database."""
+
+    def get(self, signature_key: str, framework: str, framework_version: str) -> Rule | str | None:
+        """The stored rule, the stored 'no rule' reason (a str), or None if never discovered."""
+        ...
+
+    def put(self, signature_key: str, framework: str, framework_version: str, rule_or_reason: Rule | str, op_target: str) -> None:
+        """Store a discovered rule, or the reason there is none."""
+        ...
+
+
+@dataclass(frozen=True)
+class DiscoveryStats:
+    """Counts and time of one :func:`graph_rules` call."""
+
+    ops: int
+    """Nodes in the graph."""
+    signatures: int
+    """Distinct op signatures among them."""
+    found_in_db: int
+    """Signatures answered by the rule database (rules and reasons)."""
+    discovered: int
+    """Signatures discovered now (with a rule or a reason)."""
+    seconds: float
+    """Wall time of the whole call."""
+
+
+@dataclass(frozen=True)
+class GraphRules:
+    """The rule of every node that has one, and the reason for every node that has none."""
+
+    rules: Mapping[str, Rule]
+    """Node name -> rule."""
+    missing: Mapping[str, str]
+    """Node name -> why it has no rule."""
+    stats: DiscoveryStats
+    signatures: Mapping[str, str] = field(default_factory=dict)
+    """Node name -> signature key."""
+
+    def __post_init__(self) -> None:
+        for name in ("rules", "missing", "signatures"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+
+def signature_groups(graph: Graph) -> dict[OpSignature, list[OpCall]]:
+    """The graph's op calls grouped by signature, in graph order."""
+    groups: dict[OpSignature, list[OpCall]] = {}
+    for node in graph.nodes:
+        call = op_call(graph, node)
+        groups.setdefault(signature_of(call), []).append(call)
+    return groups
+
+
+def graph_rules(
+    graph: Graph,
+    executor: OpExecutor,
+    db: RuleStore | None = None,
+    progress: bool = False,
+    config: DiscoveryConfig = DiscoveryConfig(),
+) -> GraphRules:
+    """The rule (or the reason for none) of every node of ``graph``, discovering once per signature."""
+    start = time.perf_counter()
+    groups = signature_groups(graph)
+    outcomes: dict[OpSignature, Rule | str] = {}
+    from_db = 0
+    with _progress(progress, len(groups)) as advance:
+        for signature, calls in groups.items():
+            stored = db.get(signature.key, executor.framework, executor.framework_version) if db is not None else None
+            if stored is not None:
+                outcomes[signature] = stored
+                from_db += 1
+            else:
+                outcomes[signature] = _discover_one(signature, calls[0], executor, config)
+                if db is not None:
+                    db.put(signature.key, executor.framework, executor.framework_version, outcomes[signature], signature.target)
+            advance(signature.target)
+    rules, missing, keys = {}, {}, {}
+    for signature, calls in groups.items():
+        for call in calls:
+            keys[call.node.name] = signature.key
+            outcome = outcomes[signature]
+            (missing if isinstance(outcome, str) else rules)[call.node.name] = outcome
+    stats = DiscoveryStats(len(graph.nodes), len(groups), from_db, len(groups) - from_db, time.perf_counter() - start)
+    log.info(
+        "rules for %s: %d ops, %d signatures (%d from the database, %d discovered), %d ops without a rule, %.1f s",
+        graph.name, stats.ops, stats.signatures, stats.found_in_db, stats.discovered, len(missing), stats.seconds,
+    )
+    return GraphRules(rules, missing, stats, keys)
+
+
+def _discover_one(signature: OpSignature, call: OpCall, executor: OpExecutor, config: DiscoveryConfig) -> Rule | str:
+    started = time.perf_counter()
+    try:
+        rule = discover(call, executor, config=config)
+    except NoRule as err:
+        log.info("no rule for %s: %s", signature.key, err.reason)
+        return err.reason
+    log.debug("%s: %s (%.3f s)", signature.key, rule, time.perf_counter() - started)
+    return rule
+
+
+class _progress:
+    """A rich progress bar over signatures, or nothing."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total, self.bar = enabled, total, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda description: None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task("discovering rules", total=self.total)
+        return lambda description: self.bar.update(task, advance=1, description=description)  # type: ignore[union-attr]
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)

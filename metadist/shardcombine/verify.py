@@ -1,0 +1,102 @@
+"""Check a rule against the op on given inputs: the test that every rule (discovered or derived) must pass.
+
+:func:`check_factor` splits the inputs as a factor says, runs the op on the
+pieces, recombines the outputs as the factor says and compares with the op on
+the whole inputs; :func:`check_partial_pass` does the same for a
+:class:`PartialPass`. Both return a :class:`Mismatch` (what went wrong, the
+largest difference) or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..ir.rule import Factor, PartialPass
+from .combine import check_combine, close, recombine
+from .discover import split_value
+from .executor import OpCall, OpExecutor
+from .shapes import piece_sizes
+
+__all__ = ["Mismatch", "check_factor", "check_partial_pass", "split_inputs"]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a rule did not hold on some inputs."""
+
+    output: int
+    """The output that did not recombine (-1: the op did not run)."""
+    detail: str
+    max_abs_diff: float = float("nan")
+
+    def __str__(self) -> str:
+        return f"output {self.output}: {self.detail} (largest difference {self.max_abs_diff:.3g})"
+
+
+def split_inputs(inputs: Sequence[np.ndarray], factor: Factor, shards: int, uneven: bool = False) -> list[list[np.ndarray]]:
+    """The per-shard inputs of a factor: split where the factor sits, whole elsewhere."""
+    size = factor.size(tuple(tuple(x.shape) for x in inputs))
+    sizes = piece_sizes(size, shards, uneven)
+    if sizes is None:
+        raise ValueError(f"cannot split a dim of size {size} into {shards} pieces")
+    bounds = np.cumsum([0] + sizes)
+    return [
+        [x if d is None else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d) for x, d in zip(inputs, factor.inputs)]
+        for k in range(shards)
+    ]
+
+
+def check_factor(
+    call: OpCall, executor: OpExecutor, factor: Factor, inputs: Sequence[np.ndarray], shards: int, uneven: bool = False
+) -> Mismatch | None:
+    """Whether ``factor`` holds on ``inputs`` split ``shards`` ways."""
+    whole = executor.run(call, inputs)
+    try:
+        per_shard = [executor.run(call, piece) for piece in split_inputs(inputs, factor, shards, uneven)]
+    except Exception as err:  # the op does not run on the pieces: the rule fails here
+        return Mismatch(-1, f"the op does not run on the pieces: {err}")
+    for index, (want, combine) in enumerate(zip(whole, factor.outputs)):
+        pieces = [outputs[index] for outputs in per_shard]
+        if combine is None or want is None:
+            if combine is not None or want is not None:
+                return Mismatch(index, "the output exists on one side only")
+            continue
+        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+        if not check_combine(pieces, want, combine, dtype):
+            return Mismatch(index, f"pieces do not recombine with {combine}", _max_diff(pieces, want, combine))
+    return None
+
+
+def check_partial_pass(
+    call: OpCall, executor: OpExecutor, partial: PartialPass, inputs: Sequence[np.ndarray], shards: int, seed: int = 0
+) -> Mismatch | None:
+    """Whether a ``Partial(op)`` of one input, split into random parts, reduces to the whole output."""
+    whole = executor.run(call, inputs)
+    parts = split_value(np.asarray(inputs[partial.input]), partial.op, shards, np.random.default_rng(seed))
+    results = []
+    for part in parts:
+        trial = list(inputs)
+        trial[partial.input] = part
+        results.append(executor.run(call, trial))
+    for index, want in enumerate(whole):
+        if want is None:
+            continue
+        stacked = np.stack([outputs[index] for outputs in results])
+        reduce = {"sum": np.sum, "max": np.max, "min": np.min}[partial.op]
+        got = reduce(stacked, axis=0)
+        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+        scale = float(np.max(np.abs(stacked), initial=1.0)) if partial.op == "sum" else None
+        if not close(got, want, dtype, scale=scale):
+            return Mismatch(index, f"Partial({partial.op}) parts do not reduce to the whole", float(np.max(np.abs(got - want))))
+    return None
+
+
+def _max_diff(pieces, want, combine) -> float:
+    try:
+        got = recombine(pieces, combine)
+        return float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+    except ValueError:
+        return float("nan")

@@ -1,0 +1,73 @@
+"""Baseline plans built with the same machinery: the same problem, ILP and cost model.
+
+Each baseline fixes how graph inputs start the step and lets the ILP choose everything
+else, so the baselines are priced by exactly the model that prices the solver's plan:
+
+- ``dp``: data parallel. Parameters and optimizer states replicated; the batch split on
+  dim 0 over every axis that divides it.
+- ``zero2``: as ``dp``, with the optimizer states sharded over the whole mesh (gradients
+  follow: the solver reduce-scatters them into the sharded update).
+- ``zero3``: as ``zero2``, with the parameters sharded too (FSDP-like).
+- ``megatron``: tensor parallel on the LAST mesh axis (its split of each parameter chosen by
+  the solver: column or row), data parallel on the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..cost import Cluster
+from ..ir import Graph, Mesh, Replicate, Role, Shard, TensorSpec
+from ..ir.plan import Plan
+from .errors import SolverError
+from .planner import plan_graph
+from .problem import Restrictions
+
+BASELINES = ("dp", "zero2", "zero3", "megatron")
+
+
+def _split_over(spec: TensorSpec, mesh: Mesh, axes: tuple[int, ...], dims: tuple[int, ...]) -> tuple:
+    """Shard the first dim in ``dims`` that the product of ``axes`` divides; else greedily axis by axis."""
+    for dim in dims:
+        count = 1
+        for axis in axes:
+            count *= mesh.shape[axis]
+        if spec.shape[dim] % count == 0:
+            return tuple(Shard(dim) if axis in axes else Replicate() for axis in range(mesh.ndim))
+    sharding, pieces = [Replicate()] * mesh.ndim, [1] * spec.rank
+    for axis in axes:
+        for dim in dims:
+            if spec.shape[dim] % (pieces[dim] * mesh.shape[axis]) == 0:
+                sharding[axis], pieces[dim] = Shard(dim), pieces[dim] * mesh.shape[axis]
+                break
+    return tuple(sharding)
+
+
+def _restrictions(graph: Graph, mesh: Mesh, kind: str) -> Restrictions:
+    all_axes = tuple(range(mesh.ndim))
+    data_axes = all_axes[:-1] if kind == "megatron" else all_axes
+    replicated = tuple(Replicate() for _ in all_axes)
+    allowed: dict[str, frozenset] = {}
+    for graph_input in graph.inputs:
+        spec, role = graph_input.value.spec, graph_input.role
+        dims = tuple(range(spec.rank))
+        if role is Role.BATCH:
+            choice = {_split_over(spec, mesh, data_axes, dims[:1])} if spec.rank else {replicated}
+        elif role in (Role.PARAM, Role.OPTIM_STATE) and kind == "megatron":
+            choice = {replicated} | {replicated[:-1] + (Shard(d),) for d in dims}
+        elif (role is Role.OPTIM_STATE and kind in ("zero2", "zero3")) or (role is Role.PARAM and kind == "zero3"):
+            choice = {_split_over(spec, mesh, all_axes, dims)} if spec.rank else {replicated}
+        else:
+            choice = {replicated}
+        allowed[graph_input.value.name] = frozenset(choice)
+    return Restrictions(input_shardings=allowed)
+
+
+def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0) -> Plan:
+    """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget."""
+    if kind not in BASELINES:
+        raise SolverError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=time_limit_s,
+                      restrictions=_restrictions(graph, cluster.mesh, kind))
+    return replace(plan, solver={**plan.solver, "kind": kind})

@@ -1,0 +1,109 @@
+"""The estimate of a whole assignment: step time (compute, communication per axis), memory.
+
+This evaluates an assignment edge by edge and value by value on the full graph (no tying, no
+merging), so the ILP's plan, beam search's plan and the baselines are priced the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..cost import Cluster, compute_seconds, local_nbytes, node_work, reshard
+from ..ir import Graph
+from ..ir.plan import NodeStrategy
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A strategy for every node and a sharding for every graph input."""
+
+    node_strategies: Mapping[str, NodeStrategy]
+    input_shardings: Mapping[str, tuple]
+
+
+def value_shardings(graph: Graph, assignment: Assignment) -> dict[str, tuple]:
+    """The sharding each value is produced in."""
+    produced = dict(assignment.input_shardings)
+    for node in graph.nodes:
+        strategy = assignment.node_strategies[node.name]
+        for value, sharding in zip(node.outputs, strategy.outputs):
+            if value is not None:
+                produced[value.name] = sharding
+    return produced
+
+
+def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple]):
+    from .problem import final_output_sharding
+
+    for node in graph.nodes:
+        for name, needed in zip(node.input_names, assignment.node_strategies[node.name].inputs):
+            yield graph.value(name).spec, produced[name], needed
+    for graph_output in graph.outputs:
+        src = produced[graph_output.name]
+        dst = assignment.input_shardings[graph_output.replaces] if graph_output.replaces else final_output_sharding(src)
+        yield graph.value(graph_output.name).spec, src, dst
+
+
+def communication(graph: Graph, assignment: Assignment, cluster: Cluster) -> dict[str, Any]:
+    """Seconds and bytes per mesh axis, and collectives by kind."""
+    produced = value_shardings(graph, assignment)
+    names = cluster.mesh.axis_names
+    comm_s = {name: 0.0 for name in names}
+    comm_bytes = {name: 0.0 for name in names}
+    kinds: dict[str, int] = {}
+    cache: dict[tuple, Any] = {}
+    for spec, src, dst in _edges(graph, assignment, produced):
+        key = (spec, src, dst)
+        if key not in cache:
+            cache[key] = reshard(spec, src, dst, cluster)
+        for collective in cache[key].collectives:
+            comm_s[names[collective.axis]] += collective.comm_s
+            comm_bytes[names[collective.axis]] += collective.comm_bytes
+            kinds[collective.kind] = kinds.get(collective.kind, 0) + 1
+    return {"comm_s_by_axis": comm_s, "comm_bytes_by_axis": comm_bytes, "collectives_by_kind": dict(sorted(kinds.items()))}
+
+
+def node_compute_s(graph: Graph, node_name: str, strategy: NodeStrategy, cluster: Cluster) -> float:
+    node = graph.node(node_name)
+    in_specs = [graph.value(name).spec for name in node.input_names]
+    out_specs = [v.spec if v else None for v in node.outputs]
+    return compute_seconds(node_work(graph, node), in_specs, out_specs, strategy, cluster.mesh, cluster.device)
+
+
+def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dict[str, Any]:
+    """The per-device memory curve's peak, where it is, and its make-up by category."""
+    produced = value_shardings(graph, assignment)
+    end = len(graph.nodes)
+    delta = [0.0] * (end + 3)
+    sizes = {}
+    for life in lives.values:
+        if life.holds_memory:
+            sizes[life.name] = local_nbytes(life.spec, produced[life.name], cluster.mesh)
+            delta[life.start + 1] += sizes[life.name]
+            delta[life.end + 2] -= sizes[life.name]
+    running, peak, peak_position = 0.0, -1.0, -1
+    for position in range(-1, end + 1):
+        running += delta[position + 1]
+        if running > peak:
+            peak, peak_position = running, position
+    by_category: dict[str, float] = {}
+    for life in lives.live_at(peak_position):
+        by_category[life.category] = by_category.get(life.category, 0.0) + sizes[life.name]
+    return {
+        "memory_bytes_peak": peak,
+        "memory_peak_position": peak_position,
+        "memory_peak_node": graph.nodes[peak_position].name if 0 <= peak_position < end else "(step start/end)",
+        "memory_bytes_by_role": dict(sorted(by_category.items())),
+    }
+
+
+def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dict[str, Any]:
+    """Step time (compute + communication, no overlap assumed) and memory per device."""
+    compute_s = sum(node_compute_s(graph, name, st, cluster) for name, st in assignment.node_strategies.items())
+    comm = communication(graph, assignment, cluster)
+    comm_s = sum(comm["comm_s_by_axis"].values())
+    result: dict[str, Any] = {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s}
+    result.update(comm)
+    result.update(memory(graph, assignment, cluster, lives))
+    return result

@@ -1,0 +1,246 @@
+"""The sharding ILP, solved with HiGHS.
+
+Indices: ``c`` a class of decision units (one unit, or tied repeated units), ``s``/``t`` its
+strategies; ``e`` an edge between two classes with several strategies each, ``p``/``q`` the
+distinct shardings the producer gives and the consumer needs on that edge.
+
+Variables
+    ``x[c, s]`` in {0, 1}: class ``c`` takes strategy ``s``.
+    ``y[e, p, q]`` in [0, 1]: on edge ``e`` the value comes out as ``p`` and is needed as ``q``.
+    (``y`` is integral at every vertex that matters: its marginals are one-hot, so the only
+    feasible ``y`` is their outer product. This is the ``x_u * x_v`` linearization, grouped
+    by sharding instead of by strategy, which makes it far smaller.)
+
+Objective (microseconds, i.e. seconds times ``OBJECTIVE_SCALE``)
+    minimize  sum_{c,s} (compute_s[c][s] + linear_comm_s[c][s]) x[c, s]
+            + sum_{e,p,q} comm_s[e][p][q] y[e, p, q]
+    ``compute_s``: roofline seconds of the class's nodes; ``linear_comm_s``: resharding
+    seconds on edges whose other end has one strategy; ``comm_s``: resharding seconds of the
+    edge, summed over tied copies. Classes with one strategy have no variable; their seconds
+    are a constant added back to the reported objective, which then equals the estimate.
+
+Constraints
+    one_strategy_per_class:     sum_s x[c, s] = 1                                   for all c
+    edge_producer_marginals:    sum_q y[e, p, q] = sum_{s: label_e(s) = p} x[a, s]  for all e, p
+    edge_consumer_marginals:    sum_p y[e, p, q] = sum_{t: label_e(t) = q} x[b, t]  for all e, q
+    memory_budget:              sum_{c,s} memory_bytes[k][c][s] x[c, s]
+                                  <= memory_budget_bytes - memory_constant_bytes[k]  for each peak k
+
+A second mode (``minimize_memory``) replaces the objective by a variable ``M`` bounding every
+peak (``memory_budget`` with ``M`` on the right): the smallest footprint any plan reaches, used
+to explain an infeasible budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from .errors import SolverError
+from .problem import Problem
+
+logger = logging.getLogger(__name__)
+
+OBJECTIVE_SCALE = 1e6
+"""Objective units per second: the ILP works in microseconds so that HiGHS's absolute gap means little."""
+INTEGRALITY_TOLERANCE = 1e-6
+"""How far from 0 or 1 a relaxed strategy variable may be and still count as integral."""
+MEMORY_SCALE = 1e-6
+"""Memory rows are in megabytes (bytes times this) to keep coefficients well scaled."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A strategy index per class, and how the solver got there."""
+
+    choice: dict[int, int]
+    objective_s: float
+    stats: dict
+
+
+def quiet_highs() -> highspy.Highs:
+    """A Highs instance with logging off; its constructor's banner (C stdout) is swallowed."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            highs = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    highs.setOptionValue("output_flag", False)
+    return highs
+
+
+class ShardingILP:
+    """Builds and solves the ILP written out in the module docstring."""
+
+    def __init__(self, problem: Problem, memory_budget_bytes: float | None, minimize_memory: bool = False) -> None:
+        started = time.perf_counter()
+        self.problem, self.budget, self.minimize_memory = problem, memory_budget_bytes, minimize_memory
+        self.cost: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[list[int], list[float], float, float]] = []
+        self.x: dict[int, list[int]] = {}
+        self.y: list[list[list[int]]] = []
+        self.strategy_variables()
+        self.edge_variables()
+        self.memory_variable = self._new_variable(1.0, False) if minimize_memory else None
+        self.one_strategy_per_class()
+        self.edge_producer_marginals()
+        self.edge_consumer_marginals()
+        self.memory_budget()
+        self.build_s = time.perf_counter() - started
+
+    def _new_variable(self, cost: float, integer: bool) -> int:
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    # -- variables ------------------------------------------------------------
+    def strategy_variables(self) -> None:
+        """``x[c, s]``, binary, for every class with more than one strategy."""
+        weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
+        for c in self.problem.classes:
+            compute, comm = self.problem.compute_s[c], self.problem.linear_comm_s[c]
+            if len(compute) > 1:
+                self.x[c] = [self._new_variable(weight * (a + b), True) for a, b in zip(compute, comm)]
+
+    def edge_variables(self) -> None:
+        """``y[e, p, q]`` in [0, 1] for every edge between two classes with choices."""
+        weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
+        for edge in self.problem.edges:
+            self.y.append([[self._new_variable(weight * cost, False) for cost in row] for row in edge.comm_s])
+
+    # -- constraints ------------------------------------------------------------
+    def one_strategy_per_class(self) -> None:
+        for variables in self.x.values():
+            self.rows.append((variables, [1.0] * len(variables), 1.0, 1.0))
+
+    def edge_producer_marginals(self) -> None:
+        for edge, y in zip(self.problem.edges, self.y):
+            for p, row in enumerate(y):
+                xs = [self.x[edge.producer][s] for s, label in enumerate(edge.producer_label) if label == p]
+                self.rows.append((row + xs, [1.0] * len(row) + [-1.0] * len(xs), 0.0, 0.0))
+
+    def edge_consumer_marginals(self) -> None:
+        for edge, y in zip(self.problem.edges, self.y):
+            for q in range(len(y[0])):
+                column = [row[q] for row in y]
+                xs = [self.x[edge.consumer][t] for t, label in enumerate(edge.consumer_label) if label == q]
+                self.rows.append((column + xs, [1.0] * len(column) + [-1.0] * len(xs), 0.0, 0.0))
+
+    def memory_budget(self) -> None:
+        if self.budget is None and self.memory_variable is None:
+            return
+        for coefficients, constant in zip(self.problem.memory_bytes, self.problem.memory_constant_bytes):
+            index, value = [], []
+            for c, row in coefficients.items():
+                index += self.x[c]
+                value += [MEMORY_SCALE * size for size in row]
+            if self.memory_variable is not None:
+                self.rows.append((index + [self.memory_variable], value + [-1.0], -highspy.kHighsInf, -MEMORY_SCALE * constant))
+            else:
+                self.rows.append((index, value, -highspy.kHighsInf, MEMORY_SCALE * (self.budget - constant)))
+
+    # -- solving ----------------------------------------------------------------
+    def _model(self) -> highspy.HighsLp:
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = len(self.cost), len(self.rows)
+        lp.col_cost_ = np.array(self.cost)
+        lp.col_lower_ = np.zeros(len(self.cost))
+        upper = np.ones(len(self.cost))
+        if self.memory_variable is not None:
+            upper[self.memory_variable] = highspy.kHighsInf
+        lp.col_upper_ = upper
+        lp.row_lower_ = np.array([row[2] for row in self.rows])
+        lp.row_upper_ = np.array([row[3] for row in self.rows])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.cumsum([0] + [len(row[0]) for row in self.rows]).astype(np.int32)
+        lp.a_matrix_.index_ = np.array([i for row in self.rows for i in row[0]], dtype=np.int32)
+        lp.a_matrix_.value_ = np.array([v for row in self.rows for v in row[1]])
+        lp.integrality_ = [highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous for flag in self.integer]
+        return lp
+
+    def _run(self, time_limit_s: float, relax: bool) -> highspy.Highs:
+        highs = quiet_highs()
+        highs.setOptionValue("time_limit", float(time_limit_s))
+        highs.setOptionValue("random_seed", 0)
+        highs.setOptionValue("threads", 1)
+        highs.setOptionValue("mip_rel_gap", 1e-4)
+        model = self._model()
+        if relax:
+            model.integrality_ = []
+        highs.passModel(model)
+        highs.run()
+        return highs
+
+    def _integral(self, values: np.ndarray) -> bool:
+        binaries = [i for i, flag in enumerate(self.integer) if flag]
+        return bool(np.all(np.abs(values[binaries] - np.round(values[binaries])) <= INTEGRALITY_TOLERANCE))
+
+    def solve(self, time_limit_s: float = 60.0) -> Solution | None:
+        """Solve; None when infeasible. The best incumbent is returned at the time limit.
+
+        The LP relaxation is solved first: the marginal linearization is tight, so its optimum
+        is usually integral, and an integral optimum of the relaxation is optimal for the ILP.
+        Otherwise the MIP runs (branch and bound) within what is left of the time limit.
+        """
+        if not self.cost:
+            return Solution(choice={c: 0 for c in self.problem.classes}, objective_s=self.constant_s(),
+                            stats=self._stats(0.0, "Optimal", 0.0, 0, "no choices"))
+        started = time.perf_counter()
+        highs, method = self._run(time_limit_s, relax=True), "LP relaxation (integral)"
+        lp_status = highs.getModelStatus()
+        if lp_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+            return None
+        values = np.array(highs.getSolution().col_value)
+        if lp_status != highspy.HighsModelStatus.kOptimal or not self._integral(values):
+            remaining = max(1.0, time_limit_s - (time.perf_counter() - started))
+            highs, method = self._run(remaining, relax=False), "branch and bound"
+        status, info = highs.getModelStatus(), highs.getInfo()
+        if info.primal_solution_status != 2:
+            if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+                return None
+            raise SolverError(
+                f"HiGHS found no plan within {time_limit_s} s (status {highs.modelStatusToString(status)}); "
+                "raise --time-limit or try --solver beam"
+            )
+        values = np.array(highs.getSolution().col_value)
+        choice = {c: 0 for c in self.problem.classes}
+        for c, variables in self.x.items():
+            choice[c] = int(np.argmax(values[variables]))
+        gap = 0.0 if method.startswith("LP") else float(info.mip_gap) if info.mip_gap < highspy.kHighsInf else None
+        stats = self._stats(time.perf_counter() - started, highs.modelStatusToString(status), gap, int(max(info.mip_node_count, 0)), method)
+        logger.info("ILP: %s", stats)
+        objective = float(info.objective_function_value)
+        if self.minimize_memory:
+            return Solution(choice=choice, objective_s=objective / MEMORY_SCALE, stats=stats)
+        return Solution(choice=choice, objective_s=objective / OBJECTIVE_SCALE + self.constant_s(), stats=stats)
+
+    def _stats(self, solve_s: float, status: str, gap: float | None, nodes: int, method: str) -> dict:
+        return {
+            "solver": "ilp",
+            "variables": len(self.cost),
+            "binary_variables": sum(self.integer),
+            "constraints": len(self.rows),
+            "build_s": round(self.build_s, 4),
+            "solve_s": round(solve_s, 4),
+            "status": status,
+            "method": method,
+            "mip_gap": gap,
+            "nodes_explored": nodes,
+        }
+
+    def constant_s(self) -> float:
+        """Seconds of the classes with a single strategy (no variable carries them)."""
+        return sum(
+            self.problem.compute_s[c][0] + self.problem.linear_comm_s[c][0] for c in self.problem.classes if c not in self.x
+        )

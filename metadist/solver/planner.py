@@ -1,0 +1,144 @@
+"""``plan_graph``: the solver's driver, a short recipe.
+
+    build_problem -> solve (ILP or beam) -> check the true memory peak (add it, solve again)
+                  -> assignment -> estimate -> explanation data -> Plan
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from ..cost import Cluster
+from ..ir import Graph, Rule
+from ..ir.plan import Plan, graph_fingerprint
+from .beam import beam_search
+from .errors import InfeasibleBudgetError, SolverError
+from .estimate import Assignment, estimate, node_compute_s
+from .explain import explanation_data
+from .ilp import ShardingILP, Solution
+from .problem import Problem, Restrictions, build_problem, final_output_sharding, with_peaks
+
+logger = logging.getLogger(__name__)
+
+SOLVERS = ("ilp", "beam")
+MAX_PEAK_ROUNDS = 3
+"""How many times a plan whose true memory peak breaks the budget is solved again with that peak added."""
+
+
+def split_rules(rules: Any) -> tuple[Mapping[str, Rule], Mapping[str, str]]:
+    """Accept ShardCombine's ``GraphRules`` (``.rules``, ``.missing``) or a plain mapping."""
+    if hasattr(rules, "rules"):
+        return rules.rules, getattr(rules, "missing", {})
+    return rules, {}
+
+
+def plan_graph(
+    graph: Graph,
+    rules: Any,
+    cluster: Cluster,
+    memory_budget_bytes: float | None = None,
+    solver: str = "ilp",
+    time_limit_s: float = 60.0,
+    beam_width: int = 16,
+    restrictions: Restrictions = Restrictions(),
+) -> Plan:
+    """Plan ``graph`` on ``cluster``: the cheapest strategies that fit ``memory_budget_bytes`` per device.
+
+    ``rules``: node name -> Rule, or ShardCombine's GraphRules (nodes without a rule replicate).
+    ``memory_budget_bytes``: None for the device's capacity; ``float('inf')`` for no budget.
+    """
+    if solver not in SOLVERS:
+        raise SolverError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
+    rule_map, missing = split_rules(rules)
+    budget = cluster.device.memory_capacity_bytes if memory_budget_bytes is None else memory_budget_bytes
+    budget = None if budget == float("inf") else float(budget)
+    problem = build_problem(graph, rule_map, cluster, restrictions, missing)
+    for _ in range(MAX_PEAK_ROUNDS):
+        solution = _solve(problem, budget, solver, time_limit_s, beam_width)
+        assignment = assignment_from(problem, solution.choice)
+        figures = estimate(graph, assignment, cluster, problem.liveness)
+        position = figures["memory_peak_position"]
+        if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
+            break
+        logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
+        problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
+    return _make_plan(graph, problem, solution, assignment, figures, budget)
+
+
+def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: float, beam_width: int) -> Solution:
+    if solver == "beam":
+        solution = beam_search(problem, budget, beam_width)
+    else:
+        solution = ShardingILP(problem, budget).solve(time_limit_s)
+    if solution is None:
+        raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s))
+    return solution
+
+
+def smallest_memory_bytes(problem: Problem, time_limit_s: float = 60.0) -> float | None:
+    """The smallest per-device footprint at the problem's peaks that any plan reaches."""
+    solution = ShardingILP(problem, None, minimize_memory=True).solve(time_limit_s)
+    return None if solution is None else solution.objective_s
+
+
+def assignment_from(problem: Problem, choice: Mapping[int, int]) -> Assignment:
+    """Every node's strategy and every input's sharding from one strategy per class."""
+    nodes, inputs = {}, {}
+    for index, unit in enumerate(problem.units):
+        row = unit.strategies[choice[problem.unit_class[index]]]
+        for position, (name, strategy) in enumerate(zip(unit.members, row)):
+            if unit.is_input and position == 0:
+                inputs[name] = strategy.outputs[0]
+            else:
+                nodes[name] = strategy
+    ordered_nodes = {node.name: nodes[node.name] for node in problem.graph.nodes}
+    ordered_inputs = {gi.value.name: inputs[gi.value.name] for gi in problem.graph.inputs}
+    return Assignment(ordered_nodes, ordered_inputs)
+
+
+def _output_shardings(graph: Graph, assignment: Assignment) -> tuple:
+    produced = dict(assignment.input_shardings)
+    for node in graph.nodes:
+        for value, sharding in zip(node.outputs, assignment.node_strategies[node.name].outputs):
+            if value is not None:
+                produced[value.name] = sharding
+    return tuple(
+        assignment.input_shardings[out.replaces] if out.replaces else final_output_sharding(produced[out.name])
+        for out in graph.outputs
+    )
+
+
+def _make_plan(graph, problem: Problem, solution: Solution, assignment: Assignment, figures, budget) -> Plan:
+    from .. import __version__
+
+    started = time.perf_counter()
+    unruled = {
+        name: {"reason": reason, "compute_s": node_compute_s(graph, name, assignment.node_strategies[name], problem.cluster)}
+        for name, reason in problem.missing_rules.items()
+    }
+    stats = dict(problem.stats)
+    stats.update(solution.stats)
+    stats.update(
+        kind="solver",
+        objective_s=solution.objective_s,
+        memory_budget_bytes=budget,
+        memory_peaks_checked=list(problem.peaks),
+        excluded_indivisible_strategies=problem.excluded_indivisible,
+        nodes_without_rule=unruled,
+    )
+    stats["explain"] = explanation_data(problem, solution.choice, budget)
+    stats["explain_s"] = round(time.perf_counter() - started, 4)
+    figures = dict(figures, cluster=problem.cluster.name, memory_budget_bytes=budget)
+    return Plan(
+        graph_name=graph.name,
+        graph_fingerprint=graph_fingerprint(graph),
+        metadist_version=__version__,
+        mesh=problem.cluster.mesh,
+        node_strategies=assignment.node_strategies,
+        input_shardings=assignment.input_shardings,
+        output_shardings=_output_shardings(graph, assignment),
+        estimate=figures,
+        solver=stats,
+    )

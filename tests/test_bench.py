@@ -1,0 +1,120 @@
+"""Benchmark harness pieces that need no process group: the byte counter's parsing, the memory
+tracker, loss scaling, the GPT-2 TP conversion, result JSON, and the report generator."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from metadist.bench.baselines import disable_dropout, local_batch, loss_scale, shard_units
+from metadist.bench.comm_count import MEMORY_EVENT, TraceEvent, count_collectives, window
+from metadist.bench.memory_track import cpu_memory_peak
+from metadist.bench.results import STATUS_OK, STATUS_UNAVAILABLE, BenchRun, MethodResult
+from metadist.bench.tp_plans import convert_gpt2_for_tp
+
+
+def _op(name, start, shapes, dtypes=()):
+    return TraceEvent(name=name, start_ns=start, end_ns=start + 1, shapes=shapes, dtypes=dtypes)
+
+
+def test_counter_reads_payload_of_each_collective_kind():
+    events = [
+        TraceEvent(name="bench:step1", start_ns=0, end_ns=1000),
+        # all-reduce of a tensor list: dtype from the backend event that carries it out
+        _op("c10d::allreduce_", 10, ([[100], [28]], [], []), ("TensorList", "", "")),
+        _op("gloo:all_reduce", 11, ([128],), ("float",)),
+        # all-gather into a tensor: output [2 x 50] of an input [50] -> group of 2
+        _op("c10d::_allgather_base_", 20, ([100], [50], []), ("float", "float", "")),
+        _op("c10d::_reduce_scatter_base_", 30, ([25], [50], []), ("c10::BFloat16", "c10::BFloat16", "")),
+        _op("c10d::allreduce_", 2000, ([[1000]],), ("TensorList",)),  # outside the window
+    ]
+    count = count_collectives(events, *window(events, "bench:step1"), default_group_size=2)
+    assert count.bytes_by_kind() == {"all_reduce": 128 * 4, "all_gather": 100 * 4, "reduce_scatter": 50 * 2}
+    assert count.calls_by_kind() == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1}
+    # ring on 2 ranks: all-reduce sends its buffer once, gathers and scatters half of it
+    assert count.wire_bytes == pytest.approx(128 * 4 + 100 * 4 / 2 + 50 * 2 / 2)
+    assert count.assumed_dtype_calls == 0
+
+
+def test_missing_window_names_the_regions_present():
+    with pytest.raises(LookupError, match="bench:build"):
+        window([TraceEvent(name="bench:build", start_ns=0, end_ns=1)], "bench:step1")
+
+
+def test_memory_peak_is_the_running_sum_inside_the_window():
+    def alloc(t, nbytes):
+        return TraceEvent(name=MEMORY_EVENT, start_ns=t, end_ns=t, nbytes=nbytes)
+
+    events = [alloc(1, 1000), alloc(2, 500), alloc(3, -500),  # build: 1000 held
+              alloc(11, 300), alloc(12, 200), alloc(13, -400), alloc(30, 5000)]  # step in [10, 20]
+    peak = cpu_memory_peak(events, 10, 20)
+    assert (peak.state_bytes, peak.peak_bytes) == (1000, 1500)
+
+
+def test_loss_scale_makes_data_parallel_mean_the_whole_batch_loss():
+    labels = torch.tensor([[5, -100, -100, -100], [5, 6, 7, -100]])  # masked LM: 1 and 3 targets
+    whole = {"input_ids": labels.clone(), "labels": labels}
+    halves = [local_batch(whole, 2, index) for index in range(2)]
+    scales = [loss_scale(half, whole, "bert", 2) for half in halves]
+    assert scales == [pytest.approx(2 * 1 / 4), pytest.approx(2 * 3 / 4)]
+    causal = {"input_ids": labels.abs(), "labels": labels.abs()}
+    assert loss_scale(local_batch(causal, 2, 0), causal, "llama", 2) == 1.0
+
+
+def test_gpt2_conversion_to_linear_keeps_the_function():
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload("gpt2-tiny")
+    disable_dropout(workload.model)
+    converted = copy.deepcopy(workload.model)
+    convert_gpt2_for_tp(converted, tp_degree=1)
+    batch = workload.batch
+    want = workload.loss_fn(workload.model, batch)
+    got = workload.loss_fn(converted, batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(shard_units(converted)) == 2
+
+
+def _fixture_run() -> BenchRun:
+    """A small result fixture for the report generator (test data only; never written to docs/)."""
+    def ok(method, time_s, loss, **extra):
+        return MethodResult(method=method, status=STATUS_OK, mesh_shape=(2,), step_times_s=(time_s, time_s * 1.1, time_s * 0.9),
+                            comm_payload_bytes=extra.pop("payload", 1000), comm_wire_bytes=500.0,
+                            comm_calls_by_kind={"all_reduce": 2}, state_memory_bytes=4096, peak_memory_bytes=8192,
+                            memory_source="cpu-profiler", final_loss=loss, **extra)
+
+    methods = (
+        ok("single", 0.001, 2.0),
+        ok("ddp", 0.002, 2.0000001),
+        ok("metadist-ilp", 0.004, 2.0, payload=3000, compile_s={"capture": 0.5, "discovery": 0.1, "solve": 0.2, "lowering": 0.05},
+           predicted={"step_s": 0.001, "comm_bytes": 400.0, "memory_bytes": 5000.0}),
+        MethodResult(method="tp", status=STATUS_UNAVAILABLE, reason="no plan for the cnn family"),
+    )
+    return BenchRun(model="fixture", world_size=2, mesh_shape=(2,), backend="gloo", device="cpu", steps=3, warmup=1,
+                    batch_shapes={"x": (4, 8)}, params=123, machine={"cpu_count": 2, "gpu": "none"},
+                    versions={"torch": torch.__version__}, command="python -m ... fixture", methods=methods)
+
+
+def test_results_round_trip_through_json():
+    run = _fixture_run()
+    again = BenchRun.from_json(run.to_json())
+    assert again == run
+    assert again.method("ddp").median_step_s == pytest.approx(0.002)
+    assert again.loss_agreement()["ddp"] == pytest.approx(5e-8)
+
+
+def test_report_writes_page_and_plots(tmp_path):
+    from metadist.bench.report import write_report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "fixture.json").write_text(_fixture_run().to_json())
+    page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
+    assert "| metadist-ilp | 2 | 4.00 |" in page
+    assert "**tp**: not available: no plan for the cnn family" in page
+    assert "MetaDist loses** (x2.00)" in page  # step time: 4 ms against DDP's 2 ms
+    assert "CPUs: 2" in page and "make bench" in page
+    for name in ("step_time.png", "memory.png", "compile_time.png", "predicted_vs_measured.png"):
+        assert (tmp_path / "docs" / "img" / name).stat().st_size > 0

@@ -1,0 +1,66 @@
+"""Two gloo ranks: the byte counter against a known all-reduce, and DDP against FSDP2 on the mlp."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+COUNTER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from metadist.bench.comm_count import count_collectives, events_from_profile, window
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(1000, 7)  # 28,000 bytes of float32
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function("bench:step1"):
+            dist.all_reduce(tensor)
+            dist.all_gather_into_tensor(torch.empty(2 * 300), torch.ones(300, dtype=torch.float32))
+    events = events_from_profile(prof)
+    count = count_collectives(events, *window(events, "bench:step1"), default_group_size=dist.get_world_size())
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump({"bytes": count.bytes_by_kind(), "wire": count.wire_bytes, "sum": float(tensor[0, 0])}, out)
+    dist.destroy_process_group()
+""")
+
+
+def _torchrun(args: list[str], timeout_s: float = 120) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+def test_counter_matches_a_known_all_reduce(tmp_path):
+    script = tmp_path / "count.py"
+    script.write_text(COUNTER_SCRIPT)
+    out = tmp_path / "count.json"
+    _torchrun([str(script), str(out)])
+    result = json.loads(out.read_text())
+    assert result["sum"] == 2.0  # the all-reduce really ran over 2 ranks
+    assert result["bytes"] == {"all_reduce": 1000 * 7 * 4, "all_gather": 2 * 300 * 4}
+    assert result["wire"] == pytest.approx(1000 * 7 * 4 * 2 * (2 - 1) / 2 + 2 * 300 * 4 / 2)
+
+
+def test_ddp_and_fsdp2_agree_on_the_mlp(tmp_path):
+    from metadist.bench.results import BenchRun
+
+    out = tmp_path / "mlp.json"
+    _torchrun(["-m", "metadist.bench.harness", "mlp", "--methods", "single,ddp,zero3", "--steps", "2",
+               "--warmup", "0", "--no-predict", "--out", str(out)])
+    run = BenchRun.from_json(out.read_text())
+    assert [result.status for result in run.methods] == ["ok"] * 3
+    agreement = run.loss_agreement()
+    assert max(agreement.values()) <= run.loss_rtol, agreement
+    mlp_params = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    assert run.method("ddp").comm_bytes_by_kind["all_reduce"] == mlp_params * 4  # the gradients, once
+    zero3 = run.method("zero3").comm_bytes_by_kind
+    assert zero3["reduce_scatter"] == mlp_params * 4  # gradients reduce-scattered (one flat buffer per unit)
+    assert zero3["all_gather"] == 2 * mlp_params * 4  # parameters gathered for forward and again for backward

@@ -1,0 +1,147 @@
+"""The cost model: clusters, collectives, roofline compute, liveness memory, calibration fitting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from metadist.cost import Cluster, ClusterError, cluster_for, collective_seconds, load_cluster, reshard, resolve_cluster
+from metadist.cost.calibrate import cluster_from_report, fit_link
+from metadist.cost.compute import compute_seconds, node_work
+from metadist.cost.memory import liveness
+from metadist.ir import Mesh, Partial, Replicate, Shard, TensorSpec
+from metadist.ir.plan import AxisChoice, strategy_from_choices
+from test_solver_helpers import mlp_step
+
+SPEC = TensorSpec((1024, 1024), "float32")  # 4 MiB
+
+
+def test_multi_node_preset_puts_inner_axes_on_the_fast_link():
+    cluster = cluster_for("h100-ib", Mesh((4, 8)))
+    assert cluster.link(0).name == "infiniband-ndr" and cluster.link(1).name == "nvlink4"
+    assert cluster_for("h100-ib", Mesh((8,))).link(0).name == "nvlink4"
+    assert cluster_for("a100x8", Mesh((2, 4))).axis_links[0].name == "nvlink3"
+
+
+def test_cluster_json_round_trip_and_relayout(tmp_path):
+    cluster = cluster_for("h100-ib", Mesh((2, 8)))
+    path = tmp_path / "cluster.json"
+    path.write_text(cluster.to_json())
+    assert load_cluster(path) == cluster
+    assert load_cluster(path, Mesh((4, 2))).mesh == Mesh((4, 2))
+    assert resolve_cluster(str(path), Mesh((2, 8))) == cluster
+    with pytest.raises(ClusterError, match="neither a preset"):
+        resolve_cluster("no-such-preset", Mesh((8,)))
+    with pytest.raises(ClusterError, match="one link per mesh axis"):
+        Cluster(mesh=Mesh((2, 2)), device=cluster.device, axis_links=cluster.axis_links[:1])
+
+
+@pytest.mark.parametrize(
+    "src, dst, kind, sent_bytes",
+    [
+        ((Shard(0),), (Replicate(),), "all_gather", 7 * SPEC.nbytes / 8),
+        ((Partial(),), (Replicate(),), "all_reduce", 2 * 7 / 8 * SPEC.nbytes),
+        ((Partial(),), (Shard(1),), "reduce_scatter", 7 / 8 * SPEC.nbytes),
+        ((Shard(0),), (Shard(1),), "all_to_all", 7 / 8 * SPEC.nbytes / 8),
+    ],
+)
+def test_each_transition_uses_the_right_ring_collective(src, dst, kind, sent_bytes):
+    cluster = cluster_for("h100x8", Mesh((8,)))
+    moves = reshard(SPEC, src, dst, cluster).collectives
+    assert [move.kind for move in moves] == [kind]
+    assert moves[0].comm_bytes == pytest.approx(sent_bytes)
+    link = cluster.link(0)
+    assert moves[0].comm_s > sent_bytes / link.bandwidth_bytes_per_s
+
+
+def test_slicing_a_replicated_value_is_free_and_shrinking_goes_first():
+    cluster = cluster_for("h100-ib", Mesh((2, 8)))
+    assert reshard(SPEC, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster).comm_s == 0.0
+    move = reshard(SPEC, (Partial(), Replicate()), (Replicate(), Shard(0)), cluster).collectives
+    assert [m.kind for m in move] == ["all_reduce"]
+    assert move[0].comm_bytes == pytest.approx(2 * 1 / 2 * SPEC.nbytes / 8)  # after the free slice on axis 1
+
+
+def test_collective_seconds_follow_alpha_beta():
+    link = cluster_for("h100x8", Mesh((8,))).link(0)
+    small, _ = collective_seconds("all_reduce", 8, 8, link)
+    large, _ = collective_seconds("all_reduce", 8e9, 8, link)
+    assert small == pytest.approx(link.call_overhead_s + 14 * link.latency_s, rel=1e-3)
+    assert large == pytest.approx(2 * 7 / 8 * 8e9 / link.bandwidth_bytes_per_s, rel=1e-2)
+    assert collective_seconds("all_gather", 1e6, 1, link) == (0.0, 0.0)
+
+
+def test_roofline_compute_of_a_matmul_divides_by_the_split():
+    graph, _ = mlp_step(4096, 1024, 4096, layers=1)
+    node = graph.node("mm_0")
+    work = node_work(graph, node)
+    assert work.flops == 2 * 4096 * 1024 * 4096
+    cluster = cluster_for("h100x8", Mesh((8,)))
+    specs = [graph.value(name).spec for name in node.input_names]
+    outs = [node.outputs[0].spec]
+    from test_solver_helpers import RULES
+    from metadist.ir import parse_rule
+
+    rule = parse_rule(RULES["mm"])
+    whole = compute_seconds(work, specs, outs, strategy_from_choices(rule, (AxisChoice("replicate"),)), cluster.mesh, cluster.device)
+    split = compute_seconds(work, specs, outs, strategy_from_choices(rule, (AxisChoice("factor", 0),)), cluster.mesh, cluster.device)
+    assert whole == pytest.approx(max(work.flops / cluster.device.peak_flops_per_s, (4096 * 1024 + 1024 * 4096 + 4096 * 4096) * 4 / cluster.device.memory_bandwidth_bytes_per_s))
+    assert split < whole / 4
+
+
+def test_liveness_categories_and_peaks():
+    graph, _ = mlp_step(256, 64, 128, layers=2)
+    lives = liveness(graph)
+    by_name = {life.name: life for life in lives.values}
+    assert by_name["layers.0.w1"].category == "param" and by_name["layers.0.w1:momentum"].category == "optim_state"
+    assert by_name["mm_0"].category == "activation"  # kept for the backward pass
+    assert by_name["mm_0"].end > by_name["sum_6"].start
+    grads = [life for life in lives.values if life.category == "grad"]
+    assert len(grads) == 4  # one gradient per weight, read by the momentum update
+    assert lives.peaks and max(lives.replicated_bytes_at_peaks) > 0
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    truth_alpha, truth_bandwidth, overhead = 20e-6, 1e9, 0.0
+    rows = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for nbytes in (4096, 65536, 1 << 20, 1 << 22):
+            steps = (2 if op == "all_reduce" else 1) * 3
+            sent = {"all_reduce": 2 * 3 / 4, "all_gather": 3}.get(op, 3 / 4) * nbytes
+            rows.append({"axis": 0, "op": op, "bytes": nbytes, "seconds": overhead + steps * truth_alpha + sent / truth_bandwidth})
+    link = fit_link(rows, 4, "test")
+    assert link.bandwidth_bytes_per_s == pytest.approx(truth_bandwidth, rel=1e-3)
+    assert link.latency_s + link.call_overhead_s / 3 == pytest.approx(truth_alpha, rel=0.2)
+    report = {"backend": "gloo", "measurements": rows, "device": {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 1e10},
+              "memory_capacity_bytes": 1e9}
+    assert cluster_from_report(report, Mesh((4,))).link(0).bandwidth_bytes_per_s == pytest.approx(truth_bandwidth, rel=1e-3)
+
+
+def test_cost_and_solver_import_no_framework():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'jax'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import metadist.cost, metadist.solver, metadist.cost.calibrate\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.distributed
+def test_calibrate_measures_gloo_on_two_processes():
+    from metadist.cost.calibrate import calibrate
+
+    cluster, report = calibrate(2, Mesh((2,)), sizes="4096,262144")
+    assert report["backend"] == "gloo" and report["world_size"] == 2
+    assert {m["op"] for m in report["measurements"]} >= {"all_reduce", "all_gather"}
+    assert cluster.link(0).bandwidth_bytes_per_s > 0
+    json.loads(cluster.to_json())

@@ -1,0 +1,130 @@
+"""Runtime tests in one process: environment errors, the rank GraphModule, the check's tolerances, the CLI's checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from metadist.frontends.torch.execute import execute_graph
+from metadist.ir import Mesh, parse_sharding
+from metadist.lowering import lower, replicate_plan
+from metadist.runtime.check import ReferenceRun, compare_runs
+from metadist.runtime.collectives import Collectives, local_slice, zero_partial
+from metadist.runtime.env import read_torchrun_env
+from metadist.runtime.errors import CheckError, RuntimeSetupError
+from metadist.runtime.graph_module import build_rank_module, draw_random
+from metadist.runtime.setup import check_mesh_size
+from metadist.runtime.step import shard_full_tensor
+
+from test_runtime_support import greedy_plan
+
+
+def test_missing_torchrun_environment_is_a_clear_error():
+    with pytest.raises(RuntimeSetupError, match=r"RANK, WORLD_SIZE.*not set.*metadist run MODEL --nproc N"):
+        read_torchrun_env({"LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    env = read_torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size, env.master_port) == (1, 2, 29500)
+
+
+def test_world_size_must_match_the_mesh_naming_both_numbers():
+    with pytest.raises(RuntimeSetupError, match=r"has 4 devices but the job has 2 processes"):
+        check_mesh_size(Mesh((2, 2)), 2)
+
+
+def test_shard_full_tensor_nests_axes():
+    whole = torch.arange(16.0).reshape(8, 2)
+    piece = shard_full_tensor(whole, parse_sharding("(S(0), S(0))"), (2, 2), (1, 0))
+    assert piece.tolist() == [[8.0, 9.0], [10.0, 11.0]]
+    assert local_slice(whole, 1, 1, 2).tolist() == [[float(v)] for v in range(1, 16, 2)]
+    assert zero_partial(whole, 1).abs().sum() == 0 and zero_partial(whole, 0) is whole
+
+
+def test_random_ops_draw_the_global_tensor_and_keep_the_slice():
+    like = torch.empty(4, 6)
+    torch.manual_seed(3)
+    whole = torch.ops.aten.bernoulli.p(torch.empty(4, 6), 0.5)
+    torch.manual_seed(3)
+    piece = draw_random("aten.bernoulli.p", (4, 6), (((0, 1, 2),),), 1, like[:2], 0.5)
+    assert torch.equal(piece, whole[2:])
+
+
+def _mlp_graph():
+    from metadist.frontends.torch import capture_step
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload("mlp", optimizer="sgd")
+    optimizer = workload.optimizer(workload.model.parameters())
+    return capture_step(workload.train_step(), workload.model, optimizer, workload.batch)
+
+
+def test_rank_program_is_an_fx_graph_module_with_collectives():
+    step = _mlp_graph()
+    plan = greedy_plan(step.graph, Mesh((2,)), {"batch.inputs": "(S(0))", "batch.targets": "(S(0))"})
+    program = lower(step.graph, plan, (0,))
+    module = build_rank_module(program, Collectives(("g0",), (2,)))
+    assert isinstance(module, torch.fx.GraphModule)
+    methods = {node.target for node in module.graph.nodes if node.op == "call_method"}
+    assert methods == {"all_gather", "all_reduce"}
+    assert "comm.all_reduce" in module.code or "all_reduce(" in module.code
+
+
+def test_replicated_rank_program_reproduces_the_single_device_step():
+    """On a 1-device mesh the rank program runs no collective and must match TorchStep.run exactly."""
+    from metadist.frontends.torch import capture_step
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload("mlp", optimizer="adamw")
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch)
+    program = lower(step.graph, replicate_plan(step.graph, Mesh((1,)), "test"), (0,))
+    module = build_rank_module(program, Collectives(("unused",), (1,)))
+    inputs = step.gather_inputs(workload.model, optimizer, workload.batch)
+    got = module(*inputs)
+    want = execute_graph(step.graph, inputs, step.constants)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_check_tolerances_and_report():
+    reference = ReferenceRun((1.0,), {"w": torch.tensor([1.0, 2.0, 0.0])}, {"w": torch.tensor([0.5, 0.5, 0.5])})
+    close = compare_runs(reference, [1.0 + 1e-6], {"w": torch.tensor([1.00001, 2.0, 5e-6])}, {"w": torch.tensor([0.5, 0.5, 0.5])})
+    assert close.ok
+    assert close.worst().name == "state:w" and close.worst().max_abs == pytest.approx(1e-5, rel=1e-2)
+    far = compare_runs(reference, [1.0], {"w": torch.tensor([1.0, 2.1, 0.0])}, {"w": torch.tensor([0.5, 0.5, 0.5])})
+    assert not far.ok
+    with pytest.raises(CheckError, match=r"state:w: max abs 0.1"):
+        far.raise_if_failed()
+    # a parameter element whose gradient is at the noise level may miss: counted, not failed
+    noisy = ReferenceRun((1.0,), {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, 1e-9])})
+    report = compare_runs(noisy, [1.0], {"w": torch.tensor([1.0, 2.001])}, {"w": torch.tensor([0.5, 2e-9])})
+    assert report.ok and [d.excused for d in report.differences if d.name == "state:w"] == [1]
+    report = compare_runs(noisy, [1.0], {"w": torch.tensor([1.001, 2.0])}, {"w": torch.tensor([0.5, 2e-9])})
+    assert not report.ok
+    with pytest.raises(CheckError, match="different state tensors"):
+        compare_runs(reference, [1.0], {"v": torch.zeros(3)}, reference.grads)
+
+
+def test_cli_rejects_a_mesh_that_does_not_fit_nproc():
+    import argparse
+
+    from metadist.cli import run as run_command
+    from metadist.cli.main import UsageError
+
+    parser = argparse.ArgumentParser()
+    run_command.register(parser.add_subparsers())
+    args = parser.parse_args(["run", "mlp", "--nproc", "3", "--mesh", "2x2"])
+    with pytest.raises(UsageError, match=r"the mesh 2x2 \(axis0, axis1\) has 4 devices but --nproc is 3"):
+        args.handler(args)
+    command = run_command.worker_command(parser.parse_args(["run", "mlp", "--nproc", "2", "--check", "--plan", "dp"]))
+    assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    assert command[7:9] == ["metadist.runtime.worker", "mlp"] and "--check" in command
+
+
+def test_worker_without_torchrun_says_how_to_launch():
+    result = subprocess.run([sys.executable, "-m", "metadist.runtime.worker", "mlp"], capture_output=True, text=True,
+                            timeout=120, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert result.returncode == 2
+    assert "not started by torchrun" in result.stderr

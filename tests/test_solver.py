@@ -1,0 +1,175 @@
+"""Golden tests of the solver on hand-built training steps with hand-written rules.
+
+Each test states a known-good plan and checks the solver recovers it (the pattern of
+meta-pytorch/autoparallel's test_optimize_placement.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from metadist.cost import cluster_for
+from metadist.ir import Mesh, Replicate, Shard
+from metadist.ir.plan import Plan
+from metadist.solver import InfeasibleBudgetError, baseline_plan, explain, plan_graph
+from test_solver_helpers import mlp_step
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+MIB = 2**20
+H100X8 = cluster_for("h100x8", Mesh((8,)))
+
+
+def _forward_matmuls(plan: Plan, layers: int):
+    return [plan.node_strategies[f"mm_{3 * i + j}"] for i in range(layers) for j in (0, 2)]
+
+
+def test_data_parallel_when_memory_is_ample_and_the_batch_large():
+    graph, rules = mlp_step(65536, 256, 1024, layers=2)
+    plan = plan_graph(graph, rules, H100X8)
+    for strategy in _forward_matmuls(plan, 2):
+        assert strategy.inputs[0] == (S0,)  # activations split on the batch dim
+        assert strategy.inputs[1] == (R,)  # whole weights: no tensor parallelism
+    assert plan.estimate["memory_bytes_peak"] < 80e9
+
+
+def test_megatron_column_then_row_when_weights_are_large_and_the_batch_small():
+    graph, rules = mlp_step(8, 8192, 32768, layers=1)
+    plan = plan_graph(graph, rules, H100X8)
+    first, second = plan.node_strategies["mm_0"], plan.node_strategies["mm_2"]
+    assert first.inputs == ((R,), (S1,))  # column-parallel: w1 split on its output dim
+    assert second.inputs == ((S1,), (S0,))  # row-parallel: w2 split on its input dim
+    assert second.outputs == ((Partial_sum(),),)  # one all-reduce after the block
+    assert plan.input_shardings["layers.0.w1"] == (S1,) and plan.input_shardings["layers.0.w2"] == (S0,)
+
+
+def Partial_sum():
+    from metadist.ir import Partial
+
+    return Partial("sum")
+
+
+def _state_bytes(plan: Plan) -> float:
+    roles = plan.estimate["memory_bytes_by_role"]
+    return roles.get("param", 0.0) + roles.get("optim_state", 0.0)
+
+
+def _sharded(plan: Plan, suffix: str) -> int:
+    return sum(1 for name, sharding in plan.input_shardings.items() if name.startswith("layers") and name.endswith(suffix) and sharding != (R,))
+
+
+def test_shrinking_budget_shards_optimizer_state_then_parameters():
+    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
+    plans = [plan_graph(graph, rules, H100X8, memory_budget_bytes=budget * MIB) for budget in (1e6, 45, 35)]
+    ample, middle, tight = plans
+    for plan, budget in zip(plans, (1e6, 45, 35)):
+        assert plan.estimate["memory_bytes_peak"] <= budget * MIB
+    assert _sharded(ample, ":momentum") == 4  # the update runs on 1/8 of each state: ZeRO-like even when memory is ample
+    assert _sharded(ample, ".w1") + _sharded(ample, ".w2") < 4  # most parameters stay whole
+    assert _sharded(tight, ".w1") + _sharded(tight, ".w2") == 4  # parameters sharded too: FSDP-like
+    assert _state_bytes(ample) > _state_bytes(middle) >= _state_bytes(tight)
+    assert ample.estimate["step_s"] <= middle.estimate["step_s"] <= tight.estimate["step_s"]
+
+
+def test_infeasible_budget_names_the_smallest_footprint():
+    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
+    with pytest.raises(InfeasibleBudgetError, match="smallest footprint") as caught:
+        plan_graph(graph, rules, H100X8, memory_budget_bytes=10 * MIB)
+    minimum = caught.value.minimum_bytes
+    assert 10 * MIB < minimum < 40 * MIB
+    assert "--memory-gb" in str(caught.value)
+    plan = plan_graph(graph, rules, H100X8, memory_budget_bytes=minimum * 1.02)
+    assert plan.estimate["memory_bytes_peak"] <= minimum * 1.02
+
+
+def test_heavy_traffic_lands_on_the_fast_axis_of_a_two_level_mesh():
+    graph, rules = mlp_step(4096, 2048, 8192, layers=2)
+    cluster = cluster_for("h100-ib", Mesh((4, 8), ("node", "gpu")))
+    plan = plan_graph(graph, rules, cluster)
+    sent = plan.estimate["comm_bytes_by_axis"]
+    assert sent["gpu"] > 2 * sent["node"]
+
+
+def _without_timings(plan: Plan) -> dict:
+    data = plan.to_dict()
+    for key in ("problem_build_s", "build_s", "solve_s", "explain_s"):
+        data["solver"].pop(key, None)
+    return data
+
+
+def test_plans_are_deterministic_and_round_trip_through_json():
+    graph, rules = mlp_step(1024, 512, 2048, layers=2)
+    first = plan_graph(graph, rules, H100X8)
+    second = plan_graph(graph, rules, H100X8)
+    assert _without_timings(first) == _without_timings(second)
+    again = Plan.from_json(first.to_json())
+    assert again.node_strategies == first.node_strategies and again.input_shardings == first.input_shardings
+    assert json.loads(again.to_json()) == json.loads(first.to_json())
+
+
+def test_objective_equals_the_estimate_and_state_outputs_end_where_they_started():
+    graph, rules = mlp_step(1024, 512, 2048, layers=2)
+    plan = plan_graph(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))
+    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-9)
+    for out, sharding in zip(graph.outputs, plan.output_shardings):
+        if out.replaces:
+            assert sharding == plan.input_shardings[out.replaces]
+    assert len(plan.node_strategies) == len(graph.nodes)
+
+
+def test_ilp_is_no_worse_than_beam_search():
+    graph, rules = mlp_step(2048, 1024, 4096, layers=2)
+    cluster = cluster_for("h100-ib", Mesh((2, 4)))
+    ilp = plan_graph(graph, rules, cluster, solver="ilp")
+    beam = plan_graph(graph, rules, cluster, solver="beam", beam_width=4)
+    assert ilp.estimate["step_s"] <= beam.estimate["step_s"] * (1 + 1e-9)
+    assert beam.solver["solver"] == "beam"
+
+
+def test_repeated_layers_are_tied_and_solved_once():
+    graph, rules = mlp_step(2048, 512, 2048, layers=4)
+    plan = plan_graph(graph, rules, H100X8)
+    assert plan.solver["classes_after_tying"] < plan.solver["units_after_merging"]
+    assert plan.node_strategies["mm_3"] == plan.node_strategies["mm_6"]  # layers 1 and 2, forward
+    assert plan.input_shardings["layers.1.w1"] == plan.input_shardings["layers.2.w1"]
+
+
+def test_indivisible_strategies_are_excluded_and_counted():
+    graph, rules = mlp_step(6, 64, 256, layers=1)
+    plan = plan_graph(graph, rules, cluster_for("h100x8", Mesh((4,))))
+    assert plan.solver["excluded_indivisible_strategies"] > 0
+    assert all(S0 not in strategy.inputs[0] for name, strategy in plan.node_strategies.items() if name == "mm_0")
+
+
+def test_a_node_without_a_rule_is_replicated_and_listed_with_its_cost():
+    graph, rules = mlp_step(4096, 512, 2048, layers=1)
+    rules = {name: rule for name, rule in rules.items() if name != "relu_1"}
+    plan = plan_graph(graph, rules, H100X8)
+    assert plan.node_strategies["relu_1"].inputs == ((R,),)
+    listed = plan.solver["nodes_without_rule"]["relu_1"]
+    assert listed["reason"] == "no rule given" and listed["compute_s"] > 0
+
+
+def test_explain_names_the_runner_up():
+    graph, rules = mlp_step(8, 8192, 32768, layers=1)
+    plan = plan_graph(graph, rules, H100X8)
+    text = explain(plan, "mm_0")
+    assert "chose" in text and "runner-up" in text and "communication" in text
+    assert "sharding" in explain(plan, "layers.0.w1")
+
+
+def test_baselines_are_priced_by_the_same_model_and_never_beat_the_plan():
+    graph, rules = mlp_step(2048, 1024, 4096, layers=2)
+    cluster = cluster_for("h100-ib", Mesh((2, 4)))
+    plan = plan_graph(graph, rules, cluster)
+    baselines = {kind: baseline_plan(graph, rules, cluster, kind) for kind in ("dp", "zero2", "zero3", "megatron")}
+    params = [n for n in plan.input_shardings if n.startswith("layers") and ":" not in n]
+    states = [n for n in plan.input_shardings if n.endswith(":momentum")]
+    assert all(baselines["dp"].input_shardings[n] == (R, R) for n in params + states)
+    assert all(baselines["zero2"].input_shardings[n] == (R, R) for n in params)
+    assert all(baselines["zero2"].input_shardings[n] != (R, R) for n in states)
+    assert all(baselines["zero3"].input_shardings[n] != (R, R) for n in params)
+    assert all(baselines["megatron"].input_shardings[n][0] == R for n in params)
+    for baseline in baselines.values():
+        assert plan.estimate["step_s"] <= baseline.estimate["step_s"] * (1 + 1e-9)

@@ -1,0 +1,52 @@
+"""The solver on captured built-in workloads with ShardCombine's rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from metadist.cost import cluster_for
+from metadist.ir import Mesh, Role, Shard
+from metadist.solver import baseline_plan, explain, plan_graph
+
+
+@pytest.fixture(scope="module")
+def rules_db():
+    return None  # the user's rule database: discovery runs once per machine, not once per test run
+
+
+def _graph_and_rules(name: str, rules_db: str):
+    from metadist.cli.plan import capture_and_discover
+
+    return capture_and_discover(name, rules_db)
+
+
+def _check_consistent(graph, plan):
+    assert set(plan.node_strategies) == {node.name for node in graph.nodes}
+    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-4)  # HiGHS solves to a feasibility tolerance
+    for out, sharding in zip(graph.outputs, plan.output_shardings):
+        if out.replaces:
+            assert sharding == plan.input_shardings[out.replaces]
+
+
+def test_captured_mlp_splits_the_batch_and_explains_itself(rules_db):
+    graph, rules = _graph_and_rules("mlp", rules_db)
+    cluster = cluster_for("h100x8", Mesh((4,)))
+    plan = plan_graph(graph, rules, cluster)
+    beam = plan_graph(graph, rules, cluster, solver="beam")
+    _check_consistent(graph, plan)
+    assert plan.estimate["step_s"] <= beam.estimate["step_s"] * (1 + 1e-9)
+    assert plan.solver["nodes_without_rule"].keys() == set(rules.missing)
+    assert "chose" in explain(plan, graph.nodes[0].name) or "single strategy" in explain(plan, graph.nodes[0].name)
+    assert baseline_plan(graph, rules, cluster, "dp").estimate["step_s"] >= plan.estimate["step_s"] * (1 - 1e-9)
+
+
+@pytest.mark.slow
+def test_captured_gpt2_tiny_on_a_two_level_mesh(rules_db):
+    graph, rules = _graph_and_rules("gpt2-tiny", rules_db)
+    cluster = cluster_for("h100-ib", Mesh((2, 4)))
+    plan = plan_graph(graph, rules, cluster, time_limit_s=60)
+    _check_consistent(graph, plan)
+    assert plan.solver["classes_after_tying"] < plan.solver["units_after_merging"] < len(graph.nodes) + len(graph.inputs)
+    zero3 = baseline_plan(graph, rules, cluster, "zero3")
+    assert any(isinstance(p, Shard) for gi in graph.inputs_by_role(Role.PARAM) for p in zero3.input_shardings[gi.value.name])
+    assert plan.estimate["step_s"] <= zero3.estimate["step_s"] * (1 + 1e-9)
