@@ -78,10 +78,9 @@ def test_interpreter_reproduces_the_jitted_step_exactly(captured):
     assert worst == 0.0, f"largest difference {worst}"
 
 
-def test_interpreter_runs_a_deserialized_graph(captured):
-    workload, step = captured
-    if workload.name != "jax-mlp":
-        pytest.skip("one workload is enough")
+def test_interpreter_runs_a_deserialized_graph():
+    workload = jax_builtin_workload("jax-mlp")
+    step = capture_jax(workload)
     inputs = step.graph_inputs(workload.params, workload.opt_state, workload.batch)
     again = graph_from_json(graph_to_json(step.graph))
     np.testing.assert_array_equal(run_graph(again, inputs)[0], run_graph(step.graph, inputs)[0])

@@ -25,7 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Capture MODEL's step, plan it for the mesh, and run it distributed on N local processes.",
     )
     parser.add_argument("model", help="built-in workload name, or path/to/file.py[:function] returning a metadist.Workload")
-    parser.add_argument("--nproc", type=int, required=True, help="number of processes (devices) to launch")
+    parser.add_argument("--nproc", type=int, default=None, help="number of processes (devices) to launch (PyTorch workloads)")
+    parser.add_argument(
+        "--devices", type=int, default=None,
+        help="JAX workloads: number of XLA devices (CPU devices here, through XLA_FLAGS); selects the JAX route",
+    )
     parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2x2 or dp=2,tp=2 (default: a 1-D mesh of --nproc)")
     parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
     parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget for the solver, GiB")
@@ -70,9 +74,41 @@ def worker_command(args: argparse.Namespace) -> list[str]:
     return command
 
 
+def is_jax_route(args: argparse.Namespace) -> bool:
+    """JAX built-ins (``jax-*``) and any model given with ``--devices`` run through XLA in this process."""
+    return args.devices is not None or args.model.startswith("jax-")
+
+
+def run_jax_route(args: argparse.Namespace) -> int:
+    """Plan a JAX workload and run it through XLA shardings on ``--devices`` devices."""
+    devices = args.devices if args.devices is not None else (args.nproc or 8)
+    if devices < 1:
+        raise UsageError(f"--devices must be at least 1, got {devices}")
+    if args.nproc is not None and args.nproc != devices:
+        raise UsageError(f"--nproc {args.nproc} and --devices {devices} disagree; JAX workloads take --devices only")
+    from ..frontends.jax.cli_support import request_cpu_devices
+
+    request_cpu_devices(devices)  # before anything imports jax, the user's model file included
+    from ..frontends.jax.cli_support import run_jax
+    from ..workloads import load_workload
+
+    baseline = None if args.plan == "solver" else args.plan
+    summary = run_jax(load_workload(args.model), devices=devices, check=args.check, mesh=args.mesh or None,
+                      cluster=args.cluster, baseline=baseline)
+    print(summary.to_text())
+    if summary.check is not None and not summary.check.passed:
+        print("metadist run: error: the sharded JAX run differs from the single-device run beyond tolerance", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ..ir import Mesh
 
+    if is_jax_route(args):
+        return run_jax_route(args)
+    if args.nproc is None:
+        raise UsageError("--nproc N is required for PyTorch workloads (the number of processes to launch)")
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.steps < 1:

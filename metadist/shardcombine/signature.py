@@ -34,6 +34,9 @@ SHAPE_OPS = frozenset(
         "aten.view", "aten._unsafe_view", "aten.reshape", "aten.expand", "aten.slice", "aten.split",
         "aten.split_with_sizes", "aten.slice_backward", "aten.select_backward", "aten.narrow",
         "aten.select", "aten.unfold", "aten.as_strided",
+        # JAX primitives whose parameters carry sizes
+        "jax.lax.reshape", "jax.lax.broadcast_in_dim", "jax.lax.slice", "jax.lax.split", "jax.lax.dynamic_slice",
+        "jax.lax.dynamic_update_slice", "jax.lax.pad",
     }
 )
 
@@ -84,7 +87,10 @@ class OpSignature:
 
 
 def op_name(target: str) -> str:
-    """``aten.mm.default`` -> ``aten.mm``: the op without its overload."""
+    """``aten.mm.default`` -> ``aten.mm``: the op without its overload. JAX targets
+    (``jax.lax.dot_general``) have no overload and stay whole."""
+    if target.startswith("jax."):
+        return target
     return target.rsplit(".", 1)[0] if target.count(".") >= 2 else target
 
 

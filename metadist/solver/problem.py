@@ -185,20 +185,29 @@ def _build_units(graph: Graph, sets, compute, price) -> tuple[list[Unit], list[l
     """Merge followers, then drop strategies whose shardings repeat a cheaper one's (dominated)."""
     facts = _SetFacts()
     members, rows, is_input = _merge_followers(graph, sets, compute, price, facts)
-    units, unit_seconds = [], []
+    units, unit_seconds, memo = [], [], {}
     for names, unit_rows, flag in zip(members, rows, is_input):
-        canon = [facts.canonical_index(sets[name]) for name in names]
-        best: dict[tuple, int] = {}
-        seconds = [sum(compute[name][i] for name, i in zip(names, row)) for row in unit_rows]
-        for index, row in enumerate(unit_rows):
-            key = tuple(c[i] for c, i in zip(canon, row))
-            if key not in best or seconds[index] < seconds[best[key]]:
-                best[key] = index
-        keep = sorted(best.values())
-        strategies = tuple(tuple(sets[name].strategies[i] for name, i in zip(names, unit_rows[k])) for k in keep)
+        key = (tuple(id(sets[name]) for name in names), tuple(map(tuple, unit_rows)))
+        if key not in memo:  # tied layers repeat the same sets and rows
+            memo[key] = _dedupe_rows(names, unit_rows, sets, compute, facts)
+        strategies, seconds = memo[key]
         units.append(Unit(tuple(names), flag, strategies))
-        unit_seconds.append([seconds[k] for k in keep])
+        unit_seconds.append(seconds)
     return units, unit_seconds
+
+
+def _dedupe_rows(names, unit_rows, sets, compute, facts: _SetFacts):
+    """The unit's strategies and seconds, without strategies whose shardings repeat a cheaper one's."""
+    canon = [facts.canonical_index(sets[name]) for name in names]
+    best: dict[tuple, int] = {}
+    seconds = [sum(compute[name][i] for name, i in zip(names, row)) for row in unit_rows]
+    for index, row in enumerate(unit_rows):
+        key = tuple(c[i] for c, i in zip(canon, row))
+        if key not in best or seconds[index] < seconds[best[key]]:
+            best[key] = index
+    keep = sorted(best.values())
+    strategies = tuple(tuple(sets[name].strategies[i] for name, i in zip(names, unit_rows[k])) for k in keep)
+    return strategies, [seconds[k] for k in keep]
 
 
 def _tie_units(graph: Graph, units: list[Unit]) -> list[int]:
@@ -268,14 +277,18 @@ def _edges(graph, units, member_unit, unit_class, price):
     """Linear edge costs per class strategy, and the ClassEdges that need edge variables."""
     linear = {c: [0.0] * len(units[c].strategies) for c in set(unit_class)}
     counts: dict[tuple, int] = {}
+    inside: dict[tuple, int] = {}  # edges inside one unit (a follower that reshards its input), by class
     for (pu, pm, pk), (cu, cm, slot), spec in _edge_endpoints(graph, member_unit):
         if pu == cu:
-            unit = units[pu]
-            for s in range(len(unit.strategies)):
-                linear[unit_class[pu]][s] += price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot))
+            key = (unit_class[pu], pm, pk, cm, slot, spec)
+            inside[key] = inside.get(key, 0) + 1
             continue
         key = (unit_class[pu], pm, pk, unit_class[cu], cm, slot, spec)
         counts[key] = counts.get(key, 0) + 1
+    for (c, pm, pk, cm, slot, spec), count in inside.items():
+        unit = units[c]
+        for s in range(len(unit.strategies)):
+            linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot))
     merged: dict[tuple, list[list[float]]] = {}
     for (a, pm, pk, b, cm, slot, spec), count in counts.items():
         p_all = [_output_sharding(units[a], s, pm, pk) for s in range(len(units[a].strategies))]

@@ -27,6 +27,10 @@ def load_workload(spec: str) -> Workload:
     """The workload ``spec`` names: a built-in (see ``BUILTIN_NAMES``) or ``path/to/file.py[:function]``."""
     if spec in BUILTINS:
         return builtin_workload(spec)
+    if spec.startswith("jax-"):
+        from .jax_builtin import jax_builtin_workload  # imports no jax until the workload is built
+
+        return jax_builtin_workload(spec)
     path, function = parse_spec(spec)
     if path.suffix != ".py" and not path.exists():
         raise WorkloadError(unknown_builtin_message(spec))
@@ -103,12 +107,20 @@ def _call_workload_function(module: ModuleType, path: Path, function: str) -> Wo
             f"{function}() in model file {str(path)!r} raised {type(err).__name__}: {err}; "
             "fix the function (the chained exception above shows where)"
         ) from err
-    if not isinstance(result, Workload):
+    if not isinstance(result, (Workload, _jax_workload_type())):
         hint = " (did it forget to return?)" if result is None else ""
         raise WorkloadError(
             f"{function}() in model file {str(path)!r} returned {type(result).__name__}{hint}, not a Workload; "
-            "return metadist.Workload(model=..., batch=..., loss_fn=..., optimizer=...)"
+            "return metadist.Workload(model=..., batch=..., loss_fn=..., optimizer=...) "
+            "(or, for JAX, metadist.frontends.jax.JaxWorkload(params=..., batch=..., loss_fn=..., optimizer=...))"
         )
     if not result.name:
         result = dataclasses.replace(result, name=f"{path.stem}:{function}")
     return result
+
+
+def _jax_workload_type() -> type:
+    """The JAX workload class (its module imports no jax)."""
+    from ..frontends.jax.workload import JaxWorkload
+
+    return JaxWorkload
