@@ -18,6 +18,10 @@ _LAZY = {
     "CaptureError": ("metadist.frontends.torch.errors", "CaptureError"),
     "load_workload": ("metadist.workloads", "load_workload"),
     "builtin_workload": ("metadist.workloads", "builtin_workload"),
+    "compile": ("metadist.api", "compile"),
+    "plan": ("metadist.api", "plan"),
+    "CompileOptions": ("metadist.api", "CompileOptions"),
+    "Plan": ("metadist.ir.plan", "Plan"),
 }
 
 

@@ -52,9 +52,21 @@ def load_plan(
 
 
 def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None) -> Plan:
-    """Rules from ShardCombine (rank 0 discovers and fills the rule database first), then the solver."""
-    import torch
+    """Rank 0 discovers the rules and solves; the other ranks receive its plan as JSON.
+
+    Planning once and broadcasting keeps every rank on the same plan even when the
+    solver stops at its time limit (its incumbent could differ between ranks).
+    """
     import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return _solve(torch_step, mesh, source, memory_budget_bytes, cluster)
+    text = _solve(torch_step, mesh, source, memory_budget_bytes, cluster).to_json() if dist.get_rank() == 0 else ""
+    return Plan.from_json(_broadcast_text(text))
+
+
+def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None) -> Plan:
+    import torch
 
     from ..cost.cluster import resolve_cluster
     from ..frontends.torch.discovery import TorchExecutor
@@ -64,18 +76,26 @@ def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_b
 
     if cluster is None and not torch.cuda.is_available():
         cluster = "cpu-gloo"
-    first = not dist.is_initialized() or dist.get_rank() == 0
     with RuleDatabase() as db:
-        if first:
-            rules = graph_rules(torch_step.graph, TorchExecutor(), db=db)
-        if dist.is_initialized():
-            dist.barrier()
-        if not first:
-            rules = graph_rules(torch_step.graph, TorchExecutor(), db=db)
+        rules = graph_rules(torch_step.graph, TorchExecutor(), db=db)
     resolved = resolve_cluster(cluster, mesh)
     if source == "solver":
         return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes)
     return baseline_plan(torch_step.graph, rules, resolved, source)
+
+
+def _broadcast_text(text: str) -> str:
+    """Rank 0's ``text`` on every rank, sent as bytes in a tensor (no pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    buffer = payload.to(device) if dist.get_rank() == 0 else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().tolist()).decode()
 
 
 def plan_decisions(plan: Plan) -> str:

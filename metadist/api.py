@@ -1,0 +1,183 @@
+"""The public API: ``metadist.compile`` and ``metadist.plan``.
+
+A thin facade over the stages; it adds no logic of its own beyond the recipe::
+
+    @metadist.compile(mesh=(2, 2))
+    def train_step(model, optimizer, batch):
+        loss = model(**batch).loss
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        return loss
+
+launched with ``torchrun``: the first call captures the step, discovers the
+rules (rank 0), plans (rank 0; every rank receives the plan and all ranks
+verify they hold the same one) and lowers; later calls run the compiled step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .ir import Mesh
+from .ir.plan import Plan
+
+__all__ = ["CompileOptions", "CompiledTrainStep", "compile", "plan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How ``metadist.compile`` plans and runs a step."""
+
+    mesh: Any = None
+    """A shape tuple such as ``(2, 2)``, a :class:`metadist.Mesh`, a ``DeviceMesh``, or None for all ranks in 1-D."""
+    memory_gb: float | None = None
+    """Per-device memory budget for the solver, GiB; None for no budget."""
+    cluster: str | None = None
+    """Cost-model cluster preset or JSON file; None picks ``cpu-gloo`` on CPU and the solver's default on GPUs."""
+    plan: str = "solver"
+    """``solver``, a baseline (``dp``, ``zero2``, ``zero3``, ``megatron``), ``replicate``, or a plan JSON file."""
+    timeout_s: float = 300.0
+    """Bound on the rendezvous and every collective, so a failed rank never hangs the others."""
+    compile_backend: str | None = None
+    """Run each rank's program through ``torch.compile`` with this backend (e.g. ``inductor`` on GPUs)."""
+
+
+class CompiledTrainStep:
+    """A user's ``train_step(model, optimizer, batch)``, compiled on first call and run distributed after.
+
+    State (parameters, buffers, optimizer states) stays sharded between calls;
+    :meth:`state_dict` gathers full tensors on request and :meth:`sync_to_model`
+    writes them back into the user's model and optimizer.
+    """
+
+    def __init__(self, fn: Callable, options: CompileOptions) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.options = options
+        self.compiled = None
+        self.torch_step = None
+        self._bound: tuple[int, int, tuple] | None = None
+
+    def __call__(self, model: Any, optimizer: Any, batch: Any) -> Any:
+        key = (id(model), id(optimizer), _batch_signature(batch))
+        if self.compiled is not None and key != self._bound:
+            if key[:2] != self._bound[:2]:
+                from .runtime.errors import RunInputError
+
+                raise RunInputError(
+                    "this compiled step was compiled for another model or optimizer object; "
+                    "compile one step per model (apply metadist.compile to a new function)"
+                )
+            log.warning("batch shapes changed from %s to %s: compiling the step again", self._bound[2], key[2])
+            self.sync_to_model(model, optimizer)
+            self.compiled = None
+        if self.compiled is None:
+            self._compile(model, optimizer, batch)
+            self._bound = key
+        return self.compiled(model, optimizer, batch)
+
+    @property
+    def plan(self) -> Plan:
+        self._require_compiled()
+        return self.compiled.plan
+
+    def state_dict(self) -> dict:
+        """Full (unsharded) parameters, buffers and optimizer states, by graph input name."""
+        self._require_compiled()
+        return self.compiled.state_dict()
+
+    def sync_to_model(self, model: Any, optimizer: Any) -> None:
+        """Write the full updated state back into the user's model and optimizer."""
+        self._require_compiled()
+        self.compiled.write_back(model, optimizer)
+
+    def _compile(self, model: Any, optimizer: Any, batch: Any) -> None:
+        from . import __version__
+        from .frontends.torch import capture_step
+        from .runtime import check_same_everywhere, read_torchrun_env, setup_device_mesh
+        from .runtime.plan_source import load_plan, plan_decisions
+        from .runtime.step import CompiledStep
+
+        mesh, device_mesh = self._mesh()
+        if device_mesh is None:
+            device_mesh = setup_device_mesh(mesh, read_torchrun_env(), timeout_s=self.options.timeout_s)
+        self.torch_step = capture_step(self.fn, model, optimizer, batch, name=getattr(self.fn, "__name__", "step"))
+        memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 2**30)
+        plan_ = load_plan(self.options.plan, self.torch_step, mesh, __version__, memory, self.options.cluster)
+        check_same_everywhere(plan_decisions(plan_), "plan")
+        self.compiled = CompiledStep(self.torch_step, plan_, device_mesh, metadist_version=__version__,
+                                     compile_backend=self.options.compile_backend)
+
+    def _mesh(self) -> tuple[Mesh, Any]:
+        """The logical mesh, and the DeviceMesh if the user gave one."""
+        mesh = self.options.mesh
+        if mesh is not None and type(mesh).__name__ == "DeviceMesh":
+            names = tuple(mesh.mesh_dim_names or ())
+            return Mesh(tuple(mesh.shape), names), mesh
+        if isinstance(mesh, Mesh):
+            return mesh, None
+        if mesh is None:
+            from .runtime import read_torchrun_env
+
+            return Mesh((read_torchrun_env().world_size,)), None
+        if isinstance(mesh, str):
+            return Mesh.parse(mesh), None
+        return Mesh(tuple(mesh)), None
+
+    def _require_compiled(self) -> None:
+        if self.compiled is None:
+            from .runtime.errors import RunInputError
+
+            raise RunInputError("the step has not run yet: call it once (it compiles on the first call)")
+
+
+def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - the public name is the point
+    """Compile a plain ``train_step(model, optimizer, batch)`` for distributed training.
+
+    Use as ``@metadist.compile`` or ``@metadist.compile(mesh=(2, 2), memory_gb=16)``;
+    the options are :class:`CompileOptions`' fields.
+    """
+    settings = CompileOptions(**options)
+    if fn is None:
+        return lambda inner: CompiledTrainStep(inner, settings)
+    return CompiledTrainStep(fn, settings)
+
+
+def plan(
+    workload: Any,
+    mesh: Mesh | str | tuple,
+    *,
+    cluster: str | None = None,
+    memory_gb: float | None = None,
+    solver: str = "ilp",
+    db: Any = None,
+) -> Plan:
+    """Plan a :class:`metadist.Workload` (or a built-in name / model file) for ``mesh``; no processes needed."""
+    from .cost.cluster import resolve_cluster
+    from .frontends.torch import capture_step
+    from .frontends.torch.discovery import TorchExecutor
+    from .shardcombine.api import graph_rules
+    from .shardcombine.database import RuleDatabase
+    from .solver import plan_graph
+    from .workloads import load_workload
+
+    if isinstance(workload, str):
+        workload = load_workload(workload)
+    mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh)))
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or "step")
+    with (db if db is not None else RuleDatabase()) as database:
+        rules = graph_rules(step.graph, TorchExecutor(), db=database)
+    memory = None if memory_gb is None else int(memory_gb * 2**30)
+    return plan_graph(step.graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
+
+
+def _batch_signature(batch: Any) -> tuple:
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(batch)
+    return (str(spec), tuple(tuple(getattr(leaf, "shape", ())) for leaf in leaves))
