@@ -1,0 +1,40 @@
+"""Test-session settings shared by every tier.
+
+The rule database of the whole session lives in a temporary folder
+(``METADIST_CACHE_DIR``, inherited by the processes tests launch), so tests
+never read or write the user's cache, and rules discovered by one test are
+reused by the next as they would be in real use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_rule_cache(tmp_path_factory: pytest.TempPathFactory):
+    previous = os.environ.get("METADIST_CACHE_DIR")
+    os.environ["METADIST_CACHE_DIR"] = str(tmp_path_factory.mktemp("metadist-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("METADIST_CACHE_DIR", None)
+    else:
+        os.environ["METADIST_CACHE_DIR"] = previous
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests skip cleanly without a CUDA device."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is available here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
