@@ -71,7 +71,8 @@ class TorchStep:
         """The real tensors for the graph's inputs, in graph order.
 
         Optimizer state that torch has not created yet is created here the way
-        torch would (zeros, step 0), and stored in ``optimizer.state``.
+        torch would (zeros, step 0); it is not stored in ``optimizer.state`` (the
+        step's updated state is, by :meth:`run` or the runtime's write-back).
         """
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
@@ -79,6 +80,7 @@ class TorchStep:
         param_of_name = {name: param for name, param in params.items()}
         group_of = _group_of_param(optimizer) if optimizer is not None else {}
         spec = optimizer_spec(optimizer) if optimizer is not None else None
+        fresh_states: dict[str, dict[str, torch.Tensor]] = {}
         tensors: list[torch.Tensor] = []
         for slot in self.slots:
             if slot.kind == "param":
@@ -87,10 +89,14 @@ class TorchStep:
                 tensor = buffers[slot.key]
             elif slot.kind == "state":
                 param = param_of_name[slot.key]
-                existing = optimizer.state[param]
-                if slot.state_key not in existing:
-                    existing.update(initial_state(spec, param.detach(), group_of[id(param)], dict(existing)))
-                tensor = existing[slot.state_key]
+                existing = optimizer.state.get(param, {})
+                if slot.state_key in existing:
+                    tensor = existing[slot.state_key]
+                else:  # fresh state, not stored: the step's outputs become the optimizer's state
+                    fresh = fresh_states.get(slot.key)
+                    if fresh is None:
+                        fresh = fresh_states[slot.key] = initial_state(spec, param.detach(), group_of[id(param)], dict(existing))
+                    tensor = fresh[slot.state_key]
             elif slot.kind == "batch":
                 tensor = batch_leaves[slot.index]
             else:
