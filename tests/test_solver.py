@@ -173,3 +173,18 @@ def test_baselines_are_priced_by_the_same_model_and_never_beat_the_plan():
     assert all(baselines["megatron"].input_shardings[n][0] == R for n in params)
     for baseline in baselines.values():
         assert plan.estimate["step_s"] <= baseline.estimate["step_s"] * (1 + 1e-9)
+
+
+def test_strategies_are_enumerated_jointly_over_axes_and_exclusions_counted():
+    from metadist.ir import parse_rule
+    from metadist.solver.strategies import node_strategies
+
+    mesh = Mesh((2, 4))
+    found = node_strategies(parse_rule("ab,bc->ac | b:sum"), ((8, 6), (6, 16)), ((8, 16),), mesh)
+    choices = {tuple(str(c) for c in st.choices) for st in found.strategies}
+    assert ("f0", "f0") in choices  # both axes split the same dim (8 = 2 x 4)
+    assert ("f1", "f2") in choices and ("R", "f2") in choices
+    assert ("f1", "f1") not in choices and found.excluded_indivisible > 0  # 6 is not divisible by 8 (or 4)
+    blocked = node_strategies(parse_rule("ab->ab | a:chunk=2"), ((8, 8),), ((8, 8),), mesh)
+    assert blocked.excluded_inexpressible > 0
+    assert all(choice.index != 0 for st in blocked.strategies for choice in st.choices if choice.kind == "factor")

@@ -63,7 +63,6 @@ def mlp_step(batch: int, width: int, hidden: int, layers: int = 1, dtype: str = 
     outputs = [GraphOutput(loss, "loss", source="loss")]
     for w1, w2 in weights:
         for w in (w1, w2):
-            shape = grads[w] and b.nodes[-1].outputs[0].spec.shape
             spec = next(gi.value.spec for gi in b.inputs if gi.value.name == w)
             if momentum:
                 m = b.op("add", [b.op("scale", [states[w]], spec.shape), grads[w]], spec.shape)
@@ -72,6 +71,5 @@ def mlp_step(batch: int, width: int, hidden: int, layers: int = 1, dtype: str = 
             else:
                 step = b.op("scale", [grads[w]], spec.shape)
             outputs.append(GraphOutput(b.op("sub", [w, step], spec.shape), "param", replaces=w))
-            del shape
     graph = Graph(tuple(b.inputs), tuple(b.nodes), tuple(outputs), name=f"mlp{layers}x{width}")
     return graph, b.rules

@@ -197,6 +197,29 @@ def scale_tables(scale: dict) -> str:
     return markdown_table(header, rows)
 
 
+def scale_verdicts(scale: dict) -> list[str]:
+    """Per model and cluster: MetaDist's estimate against the fastest layout that fits, in one sentence."""
+    lines = []
+    cells = sorted({(row["model"], row["devices"]) for row in scale["rows"]}, key=lambda cell: (cell[1], cell[0]))
+    for model, devices in cells:
+        rows = [row for row in scale["rows"] if (row["model"], row["devices"]) == (model, devices)]
+        ours = next((row for row in rows if row["method"] == "metadist"), None)
+        fitting = [row for row in rows if row["method"] != "metadist" and row["fits"] and row["step_s"]]
+        best = min(fitting, key=lambda row: row["step_s"]) if fitting else None
+        where = f"{model} on {devices} GPUs"
+        if ours is None or not ours["fits"]:
+            others = f"the fastest that fits is {best['method']}" if best else "no baseline fits either"
+            lines.append(f"- {where}: **MetaDist finds no plan that fits**; {others}.")
+        elif best is None:
+            lines.append(f"- {where}: **MetaDist wins**: its plan ({fmt_bytes(ours['memory_bytes'])}/GPU) is the only one that fits.")
+        else:
+            ratio = ours["step_s"] / best["step_s"]
+            verdict = "loses" if ratio > 1.005 else "wins" if ratio < 0.995 else "ties"
+            lines.append(f"- {where}: **MetaDist {verdict}** against {best['method']} (mesh "
+                         f"{'x'.join(map(str, best['mesh']))}), estimated step x{ratio:.3f} of it.")
+    return lines
+
+
 def missing_scale_cells(scale: dict, models: Sequence[str], devices: Sequence[int]) -> list[str]:
     have = {(row["model"], row["devices"]) for row in scale["rows"]}
     return [f"{model} on {count} GPUs" for model in models for count in devices if (model, count) not in have]
@@ -276,6 +299,9 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "*megatron* is TP over the inner mesh axis (within a node) and DP over the outer. *solver*: the ILP's status; a plan "
                   "found at the time limit is the best one found, not a proven optimum. Given the error of the cost "
                   "model measured above, read these as the model's ranking of the layouts, not as step times.", "",
+                  *scale_verdicts(scale), "",
+                  "MetaDist plans on the mesh it is given ((8,) for one node, (8, 8) for 8 nodes); it does not choose "
+                  "the mesh shape, so a hand-written layout on another mesh (the *best 2-D* rows) can beat it.", "",
                   scale_tables(scale), ""]
         if missing:
             parts += [f"Not in this study (the run did not reach them): {', '.join(missing)}.", ""]
@@ -371,9 +397,10 @@ def _compile_points(runs: Sequence[BenchRun], scale: dict | None) -> list[tuple[
         for result in run.methods:
             if result.method == "metadist-ilp" and result.ok and result.compile_s:
                 points[run.model] = (run.params, dict(result.compile_s))
-    for row in (scale or {}).get("rows", []):
-        if row["method"] == "metadist" and row.get("compile_s") and row["devices"] == min(r["devices"] for r in scale["rows"]):
-            points.setdefault(row["model"], (row.get("params", 0), row["compile_s"]))
+    complete = [row for row in (scale or {}).get("rows", [])
+                if row["method"] == "metadist" and "solve" in row.get("compile_s", {})]  # planned (fits) rows only
+    for row in sorted(complete, key=lambda row: row["devices"]):
+        points.setdefault(f"{row['model']}\n{row['devices']} GPUs", (row.get("params", 0), row["compile_s"]))
     return sorted(((name, params, stages) for name, (params, stages) in points.items()), key=lambda item: item[1])
 
 
@@ -383,7 +410,7 @@ def _compile_plot(runs: Sequence[BenchRun], scale: dict | None, path: Path, link
     points = _compile_points(runs, scale)
     if not points:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     bottom = [0.0] * len(points)
     labels = [f"{name}\n{params / 1e6:.1f}M" for name, params, _ in points]
     for stage in ("capture", "discovery", "solve", "lowering"):
@@ -391,7 +418,7 @@ def _compile_plot(runs: Sequence[BenchRun], scale: dict | None, path: Path, link
         ax.bar(labels, heights, bottom=bottom, label=stage)
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_ylabel("seconds")
-    ax.set_title("MetaDist compile time by model size")
+    ax.set_title("MetaDist compile time by model size (shared machine; see load)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -413,11 +440,16 @@ def _prediction_plot(runs: Sequence[BenchRun], path: Path, link_prefix: str) -> 
         if result.comm_wire_bytes is not None and predicted.get("comm_bytes"):
             right.scatter(predicted["comm_bytes"], result.comm_wire_bytes)
             right.annotate(f"{model}/{result.method}", (predicted["comm_bytes"], result.comm_wire_bytes), fontsize=6)
+    from matplotlib.ticker import NullFormatter
+
     for ax, what in ((left, "step time (ms)"), (right, "wire bytes per rank")):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        low, high = ax.get_xlim()
-        ax.plot([low, high], [low, high], "k--", linewidth=0.8)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        low = min(ax.get_xlim()[0], ax.get_ylim()[0])
+        high = max(ax.get_xlim()[1], ax.get_ylim()[1])
+        ax.plot([low, high], [low, high], "k--", linewidth=0.8, label="predicted = measured")
+        ax.legend(loc="lower right", fontsize=7)
         ax.set_xlabel(f"predicted {what}")
         ax.set_ylabel(f"measured {what}")
     fig.tight_layout()

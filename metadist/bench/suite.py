@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         for entry in DEFAULT_ENTRIES:
             if entry.model in wanted:
                 _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.model}-{args.nproc}proc.json"))
+    scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
+    commands.append(shlex.join(["python", *scale_argv[1:]]))
     if not args.skip_scale:
-        scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
-        commands.append(shlex.join(["python", *scale_argv[1:]]))
         _run(scale_argv)
     report = write_report(results, args.docs / "benchmarks.md", scale_path,
                           commands=["make bench  # = python -m metadist.bench.suite", *commands])

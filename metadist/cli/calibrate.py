@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cost.calibrate import calibrate
     from ..ir import Mesh
+    from ..solver import errors  # noqa: F401  (its USER_ERRORS, ClusterError included, are the CLI's user errors)
 
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
     cluster, report = calibrate(args.nproc, mesh, args.sizes)

@@ -23,7 +23,7 @@ from .problem import Problem, Restrictions, build_problem, final_output_sharding
 logger = logging.getLogger(__name__)
 
 SOLVERS = ("ilp", "beam")
-MAX_PEAK_ROUNDS = 3
+MAX_PEAK_ROUNDS = 5
 """How many times a plan whose true memory peak breaks the budget is solved again with that peak added."""
 
 
@@ -64,6 +64,12 @@ def plan_graph(
             break
         logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
         problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
+    if budget is not None and figures["memory_bytes_peak"] > budget * (1 + 1e-9):
+        logger.warning(
+            "after %d rounds the plan's memory peak (%.0f bytes at %s) still exceeds the budget (%.0f bytes); "
+            "the plan is kept and the excess recorded in plan.solver['memory_budget_exceeded_bytes']",
+            MAX_PEAK_ROUNDS, figures["memory_bytes_peak"], figures["memory_peak_node"], budget,
+        )
     return _make_plan(graph, problem, solution, assignment, figures, budget)
 
 
@@ -124,6 +130,7 @@ def _make_plan(graph, problem: Problem, solution: Solution, assignment: Assignme
         kind="solver",
         objective_s=solution.objective_s,
         memory_budget_bytes=budget,
+        memory_budget_exceeded_bytes=max(0.0, figures["memory_bytes_peak"] - budget) if budget is not None else 0.0,
         memory_peaks_checked=list(problem.peaks),
         excluded_indivisible_strategies=problem.excluded_indivisible,
         nodes_without_rule=unruled,

@@ -405,5 +405,6 @@ def build_problem(
         classes=classes, compute_s={c: tuple(v) for c, v in compute_s.items()},
         linear_comm_s={c: tuple(v) for c, v in linear.items()}, edges=edges, peaks=lives.peaks,
         memory_bytes=memory, memory_constant_bytes=constants, liveness=lives,
-        excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules, stats=stats,
+        excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
+        stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values())},
     )

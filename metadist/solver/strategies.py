@@ -10,12 +10,11 @@ only replicate. Graph inputs choose a sharding: each axis replicates or shards o
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Mesh, Replicate, Rule, Shard, TensorSpec
-from ..ir.plan import REPLICATE, AxisChoice, NodeStrategy, strategy_from_choices
+from ..ir.plan import REPLICATE, AxisChoice, NodeStrategy, PlanError, strategy_from_choices
 from .errors import SolverError
 
 
@@ -25,6 +24,8 @@ class StrategySet:
 
     strategies: tuple[NodeStrategy, ...]
     excluded_indivisible: int = 0
+    excluded_inexpressible: int = 0
+    """Joint choices a plan cannot express yet (block-cyclic or halo recombination)."""
 
 
 def replicated_strategy(n_inputs: int, output_present: Sequence[bool], mesh: Mesh) -> NodeStrategy:
@@ -71,18 +72,24 @@ def node_strategies(
     """All valid joint strategies of a node with ``rule`` on ``mesh`` (replicate-all first)."""
     if rule is None:
         return StrategySet((replicated_strategy(len(input_shapes), [s is not None for s in output_shapes], mesh),))
-    if len(rule.input_ranks) != len(input_shapes):
+    if len(rule.input_ranks) != len(input_shapes) or len(rule.output_ranks) != len(output_shapes):
         raise SolverError(
-            f"rule {rule} has {len(rule.input_ranks)} inputs but the node reads {len(input_shapes)} tensors; "
-            "the rule does not belong to this node (rebuild the rules for this graph)"
+            f"rule {rule} has {len(rule.input_ranks)} inputs and {len(rule.output_ranks)} outputs but the node reads "
+            f"{len(input_shapes)} tensors and makes {len(output_shapes)}; the rule does not belong to this node "
+            "(discover the rules for this graph again)"
         )
-    strategies, excluded = [], 0
+    strategies, excluded, inexpressible = [], 0, 0
     for choices in itertools.product(_axis_options(rule), repeat=mesh.ndim):
         if not _divides(rule, choices, mesh, input_shapes, output_shapes):
             excluded += 1
             continue
-        strategies.append(strategy_from_choices(rule, choices))
-    return StrategySet(tuple(strategies), excluded)
+        try:
+            strategies.append(strategy_from_choices(rule, choices))
+        except PlanError:  # chunk/halo recombination: counted, reported, not planned
+            inexpressible += 1
+    if not strategies:
+        strategies.append(replicated_strategy(len(input_shapes), [s is not None for s in output_shapes], mesh))
+    return StrategySet(tuple(strategies), excluded, inexpressible)
 
 
 def input_strategies(spec: TensorSpec, mesh: Mesh, allowed: frozenset | None = None) -> StrategySet:
@@ -104,15 +111,3 @@ def input_strategies(spec: TensorSpec, mesh: Mesh, allowed: frozenset | None = N
         replicated = tuple(Replicate() for _ in range(mesh.ndim))
         strategies.append(NodeStrategy(choices=(), inputs=(), outputs=(replicated,)))
     return StrategySet(tuple(strategies), excluded)
-
-
-def describe_choices(strategy: NodeStrategy, rule: Rule | None, mesh: Mesh) -> str:
-    """One line: what each axis does, e.g. ``axis0=f0(S0) axis1=R``."""
-    if not strategy.choices:
-        return "sharding " + ", ".join(str(p) for p in strategy.outputs[0])
-    parts = []
-    for name, choice in zip(mesh.axis_names, strategy.choices):
-        parts.append(f"{name}={choice}")
-    return " ".join(parts)
-
-
