@@ -35,7 +35,7 @@ class CompileOptions:
     mesh: Any = None
     """A shape tuple such as ``(2, 2)``, a :class:`metadist.Mesh`, a ``DeviceMesh``, or None for all ranks in 1-D."""
     memory_gb: float | None = None
-    """Per-device memory budget for the solver, GiB; None for no budget."""
+    """Per-device memory budget for the solver, in GB (1e9 bytes, as the CLI's --memory-gb); None for no budget."""
     cluster: str | None = None
     """Cost-model cluster preset or JSON file; None picks ``cpu-gloo`` on CPU and the solver's default on GPUs."""
     plan: str = "solver"
@@ -106,7 +106,7 @@ class CompiledTrainStep:
         if device_mesh is None:
             device_mesh = setup_device_mesh(mesh, read_torchrun_env(), timeout_s=self.options.timeout_s)
         self.torch_step = capture_step(self.fn, model, optimizer, batch, name=getattr(self.fn, "__name__", "step"))
-        memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 2**30)
+        memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         plan_ = load_plan(self.options.plan, self.torch_step, mesh, __version__, memory, self.options.cluster)
         check_same_everywhere(plan_decisions(plan_), "plan")
         self.compiled = CompiledStep(self.torch_step, plan_, device_mesh, metadist_version=__version__,
@@ -172,7 +172,7 @@ def plan(
     step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or "step")
     with (db if db is not None else RuleDatabase()) as database:
         rules = graph_rules(step.graph, TorchExecutor(), db=database)
-    memory = None if memory_gb is None else int(memory_gb * 2**30)
+    memory = None if memory_gb is None else int(memory_gb * 1e9)
     return plan_graph(step.graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
 
 

@@ -230,3 +230,30 @@ def test_public_api_capture_returns_the_graph():
     graph = metadist.capture(lambda m, o, b: m(b["x"]).sum(), model, optimizer, batch)
     assert isinstance(graph, metadist.Graph)
     assert graph.outputs[0].role is Role.LOSS
+
+
+class StrideTrap(torch.nn.Module):
+    """GroupNorm after a transpose: fake tensors call the gradient reaching GroupNorm's backward
+    contiguous while the real one is not, and native_group_norm_backward on CPU is wrong for a
+    non-contiguous gradient. The captured graph must still match eager exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 8, kernel_size=3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, 4, L)
+        h = torch.nn.functional.softplus(self.norm(self.conv(x))).transpose(1, 2)  # (B, L, 8)
+        h = h + self.proj(h)
+        return torch.cumsum(h, dim=1).amax(dim=1)  # (B, 8)
+
+
+def test_real_layouts_follow_the_traced_layouts():
+    torch.manual_seed(0)
+    workload = metadist.Workload(
+        model=StrideTrap(), batch={"x": torch.randn(8, 4, 12), "y": torch.randn(8, 8)},
+        loss_fn=lambda model, batch: torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+    )
+    assert_same_as_eager(workload)

@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2x2 or dp=2,tp=2 (default: a 1-D mesh of --nproc)")
     parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
-    parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget for the solver, GiB")
+    parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory budget for the solver, in GB (1e9 bytes)")
     parser.add_argument("--check", action="store_true", help="compare loss, gradients and state with a single-device run")
     parser.add_argument(
         "--plan", default="solver",

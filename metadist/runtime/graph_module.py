@@ -25,11 +25,18 @@ from .errors import LocalOpError
 __all__ = ["build_rank_module", "draw_random", "CheckingInterpreter"]
 
 
-def build_rank_module(program: RankProgram, comm: Collectives, device: torch.device | None = None) -> torch.fx.GraphModule:
+def build_rank_module(
+    program: RankProgram,
+    comm: Collectives,
+    device: torch.device | None = None,
+    contiguous_values: frozenset[str] = frozenset(),
+) -> torch.fx.GraphModule:
     """The fx GraphModule that runs ``program`` with the collectives of ``comm``.
 
     ``device``: where factory ops create tensors (the captured graph names the
     capture's device, the CPU); None keeps the graph's devices.
+    ``contiguous_values``: values made contiguous after their op, so real layouts
+    follow the capture's (``TorchStep.contiguous_values``).
     """
     root = torch.nn.Module()
     root.comm = comm
@@ -46,6 +53,9 @@ def build_rank_module(program: RankProgram, comm: Collectives, device: torch.dev
             env[instruction.target] = node
         else:
             _emit_local_op(graph, env, instruction, program, device)
+            for name in instruction.outputs:
+                if name is not None and name in contiguous_values:
+                    env[name] = graph.call_method("contiguous", (env[name],))
     graph.output(tuple(env[output.value] for output in program.outputs))
     graph.lint()
     return torch.fx.GraphModule(root, graph, class_name=f"Rank{'_'.join(map(str, program.coords))}Program")

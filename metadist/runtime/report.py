@@ -23,6 +23,11 @@ class Reporter:
         self.enabled = enabled
         self.console = Console(stderr=False)
 
+    def note(self, text: str) -> None:
+        """A remark the user should see (rank 0 only)."""
+        if self.enabled:
+            self.console.print(f"note: {text}")
+
     def plan(self, plan: Plan, plan_hash: str, program: RankProgram) -> None:
         if not self.enabled:
             return

@@ -65,7 +65,7 @@ class CompiledStep:
         self.program: RankProgram = lower(torch_step.graph, plan, self.coords)
         self.comm = Collectives.from_device_mesh(device_mesh)
         self.device = _device_of(device_mesh)
-        self.module = build_rank_module(self.program, self.comm, self.device)
+        self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values)
         log.info("rank at %s: %d instructions, %d reshards, on %s", self.coords, len(self.program.instructions),
                  len(self.program.reshards()), self.device)
         self._state: dict[str, torch.Tensor] | None = None

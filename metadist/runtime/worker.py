@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((world_size,))
     return WorkerConfig(
         model=args.model, mesh=mesh, steps=args.steps, plan=args.plan,
-        memory_budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 2**30),
+        memory_budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
         check=args.check, seed=args.seed, timeout_s=args.timeout_s, optimizer=args.optimizer,
         cluster=args.cluster, check_shapes=args.check_shapes,
         compile_backend=args.compile_backend,
@@ -101,6 +101,14 @@ def run_worker(config: WorkerConfig) -> int:
     optimizer = workload.optimizer(workload.model.parameters())
     train_step = workload.train_step()
     torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
+    compare_grads = config.check
+    if config.check and _is_plan_file_for_another_graph(config.plan, torch_step):
+        # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
+        without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step")
+        if not _is_plan_file_for_another_graph(config.plan, without_grads):
+            torch_step, compare_grads = without_grads, False
+            reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
+                          "parameters, buffers and optimizer state, not the gradients")
     plan = load_plan(config.plan, torch_step, config.mesh, __version__, config.memory_budget_bytes, config.cluster)
     plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
@@ -120,10 +128,20 @@ def run_worker(config: WorkerConfig) -> int:
     if reference is not None:
         from .check import compare_runs
 
-        report = compare_runs(reference, losses, compiled.state_dict(), compiled.grads())
+        report = compare_runs(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None)
         reporter.check(report)
         report.raise_if_failed()
     return 0
+
+
+def _is_plan_file_for_another_graph(source: str, torch_step) -> bool:
+    """Whether ``source`` is a plan file whose graph fingerprint differs from ``torch_step``'s graph."""
+    from pathlib import Path
+
+    from ..ir.plan import Plan, graph_fingerprint
+
+    path = Path(source)
+    return path.is_file() and graph_fingerprint(torch_step.graph) != Plan.from_json(path.read_text()).graph_fingerprint
 
 
 def _load_workload(config: WorkerConfig):

@@ -92,14 +92,14 @@ def graph_rules(
     from_db = 0
     with _progress(progress, len(groups)) as advance:
         for signature, calls in groups.items():
-            stored = db.get(signature.key, executor.framework, executor.framework_version) if db is not None else None
+            stored = db.get(signature.key, executor.framework, _version_key(executor)) if db is not None else None
             if stored is not None:
                 outcomes[signature] = stored
                 from_db += 1
             else:
                 outcomes[signature] = _discover_one(signature, calls[0], executor, config)
                 if db is not None:
-                    db.put(signature.key, executor.framework, executor.framework_version, outcomes[signature], signature.target)
+                    db.put(signature.key, executor.framework, _version_key(executor), outcomes[signature], signature.target)
             advance(signature.target)
     rules, missing, keys = {}, {}, {}
     for signature, calls in groups.items():
@@ -145,3 +145,13 @@ class _progress:
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
+
+
+#: Bumped whenever discovery changes what it accepts (new soundness checks, new derived rules), so
+#: that rules found by an older discovery are not served from the database: they are found again.
+DISCOVERY_VERSION = 2
+
+
+def _version_key(executor: OpExecutor) -> str:
+    """The database's version key: the framework's version and the discovery's."""
+    return f"{executor.framework_version}+discovery{DISCOVERY_VERSION}"

@@ -65,6 +65,12 @@ class TorchStep:
     """pytree spec of the step's return value (its tensor leaves are the LOSS/ACTIVATION outputs)."""
     capture_seconds: float
     optimizer_hyperparameters: tuple = ()
+    contiguous_values: frozenset[str] = frozenset()
+    """Values the trace saw as contiguous. Executors make the real tensors contiguous too: fake
+    tensors do not always predict a kernel's output strides (``softplus_backward`` of a transposed
+    gradient is one case), and the trace's layout decisions (a ``.contiguous()`` it skipped
+    because the value looked contiguous) hold only if the real layouts follow the traced ones.
+    ``native_group_norm_backward`` on CPU gives wrong results for a non-contiguous gradient."""
     stats: dict = field(default_factory=dict)
 
     def gather_inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
@@ -118,7 +124,10 @@ class TorchStep:
         from .execute import execute_graph
 
         inputs = self.gather_inputs(model, optimizer, batch)
-        results = (execute or execute_graph)(self.graph, inputs, self.constants)
+        if execute is None:
+            results = execute_graph(self.graph, inputs, self.constants, contiguous_values=self.contiguous_values)
+        else:
+            results = execute(self.graph, inputs, self.constants)
         by_input = {slot.name: (slot, tensor) for slot, tensor in zip(self.slots, inputs)}
         user_leaves = []
         params = dict(model.named_parameters())
@@ -198,7 +207,10 @@ def capture_step(
         add(InputSlot(f"batch{path}", Role.BATCH, "batch", path, index=index), leaf)
 
     traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads)
-    decompositions = {aten.native_batch_norm.default: _native_batch_norm_as_legit}
+    decompositions = {
+        aten.native_batch_norm.default: _native_batch_norm_as_legit,
+        aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
+    }
     with _user_errors(), fake_mode:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
@@ -208,7 +220,7 @@ def capture_step(
     pass2.recompile()
 
     output_roles = traced.output_roles()
-    graph, constants, slots_all = fx_to_ir(pass2, slots, output_roles, name=name)
+    graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
@@ -219,6 +231,7 @@ def capture_step(
         output_tree=traced.output_tree,
         capture_seconds=elapsed,
         optimizer_hyperparameters=_hyperparameters(optimizer),
+        contiguous_values=contiguous_values,
     )
 
 
@@ -329,6 +342,19 @@ class _Pass1:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+_MEAN_REDUCTION = 1
+
+
+def _nll_loss_mean_as_sum(input, target, weight, reduction, ignore_index):
+    """A mean-reduced ``nll_loss`` as its sum over the total weight, which is what the kernel computes
+    (bit for bit). The sum and the total weight both split over the batch (``Partial(sum)``); a mean
+    of per-shard means would not, so the split form lets the loss be computed sharded."""
+    if reduction != _MEAN_REDUCTION:
+        return NotImplemented
+    total, total_weight = aten.nll_loss_forward.default(input, target, weight, 2, ignore_index)
+    return total / total_weight, total_weight
 
 
 def _native_batch_norm_as_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):

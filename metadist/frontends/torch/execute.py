@@ -59,10 +59,18 @@ def execute_node(node: Node, env: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(result)
 
 
-def execute_graph(graph: Graph, inputs: Sequence[torch.Tensor], constants: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+def execute_graph(
+    graph: Graph,
+    inputs: Sequence[torch.Tensor],
+    constants: Mapping[str, torch.Tensor] | None = None,
+    *,
+    contiguous_values: frozenset[str] = frozenset(),
+) -> list[torch.Tensor]:
     """Interpret the graph on concrete tensors, node by node; returns the outputs in graph order.
 
-    Values are freed after their last use, so peak memory follows the graph's liveness.
+    Values named in ``contiguous_values`` are made contiguous after the op that
+    defines them (see ``TorchStep.contiguous_values``). Values are freed after
+    their last use, so peak memory follows the graph's liveness.
     """
     if len(inputs) != len(graph.inputs):
         raise IRError(f"graph {graph.name!r} takes {len(graph.inputs)} inputs, got {len(inputs)}")
@@ -76,7 +84,7 @@ def execute_graph(graph: Graph, inputs: Sequence[torch.Tensor], constants: Mappi
         results = execute_node(node, env)
         for value, result in zip(node.outputs, results):
             if value is not None:
-                env[value.name] = result
+                env[value.name] = result.contiguous() if value.name in contiguous_values else result
         for name in set(node.input_names):
             if last_use.get(name) == position and name not in keep:
                 env.pop(name, None)

@@ -95,11 +95,12 @@ def fx_to_ir(
     output_roles: list[tuple[Role, str]],
     *,
     name: str,
-) -> tuple[Graph, dict[str, torch.Tensor], list[InputSlot]]:
+) -> tuple[Graph, dict[str, torch.Tensor], list[InputSlot], frozenset[str]]:
     """Convert pass 2's functional graph.
 
-    Returns the graph, the tensor constants it reads (by input name), and the
-    input slots including one per constant.
+    Returns the graph, the tensor constants it reads (by input name), the
+    input slots including one per constant, and the names of the values the
+    trace saw as contiguous (see :data:`TorchStep.contiguous_values`).
     """
     names: dict[torch.fx.Node, Any] = {}
     inputs: list[GraphInput] = []
@@ -117,6 +118,7 @@ def fx_to_ir(
         inputs.append(GraphInput(Value(slot.name, _spec(node.meta["val"], f"input {slot.name}")), slot.role, slot.key))
 
     multi_outputs: dict[torch.fx.Node, list[Value | None]] = {}
+    contiguous: set[str] = set()
     output_node = None
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -167,9 +169,12 @@ def fx_to_ir(
             ]
             multi_outputs[node] = values
             outputs = tuple(values)
+            contiguous.update(v.name for v, item in zip(values, val) if v is not None and _is_contiguous(item))
         else:
             outputs = (Value(node.name, _spec(val, where)),)
             names[node] = node.name
+            if _is_contiguous(val):
+                contiguous.add(node.name)
         nodes.append(Node(node.name, MetaOp(op_target(node.target), op_tags(node.target)), args, kwargs, outputs))
 
     assert output_node is not None
@@ -180,4 +185,9 @@ def fx_to_ir(
     for value, (role, source) in zip(returned, output_roles):
         outputs.append(GraphOutput(names[value], role, source=source))
     outputs.extend(state_outputs)
-    return Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name), constants, slots_all
+    graph = Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name)
+    return graph, constants, slots_all, frozenset(contiguous)
+
+
+def _is_contiguous(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_contiguous()
