@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: capture gpt2-tiny's step, then plan it and train it on 4 local CPU processes
+# (gloo, a 2x2 mesh), checking loss, gradients, parameters and optimizer state against one device.
 demo: $(STAMP)
-	$(BIN)/metadist capture gpt2-tiny
+	$(BIN)/metadist capture gpt2-tiny --top 10
+	OMP_NUM_THREADS=1 $(BIN)/metadist run gpt2-tiny --nproc 4 --mesh 2x2 --steps 3 --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -231,8 +231,8 @@ class DictStore:
     def get(self, key, framework, version):
         return self.items.get((key, framework, version))
 
-    def put(self, key, framework, version, rule_or_reason, op_target):
-        assert isinstance(rule_or_reason, (Rule, str)) and op_target
+    def put(self, key, framework, version, rule_or_reason, op_target, discovery_seconds=None):
+        assert isinstance(rule_or_reason, (Rule, str)) and op_target and discovery_seconds >= 0
         self.items[(key, framework, version)] = rule_or_reason
 
 

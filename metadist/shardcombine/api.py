@@ -31,7 +31,8 @@ class RuleStore(Protocol):
         """The stored rule, the stored 'no rule' reason (a str), or None if never discovered."""
         ...
 
-    def put(self, signature_key: str, framework: str, framework_version: str, rule_or_reason: Rule | str, op_target: str) -> None:
+    def put(self, signature_key: str, framework: str, framework_version: str, rule_or_reason: Rule | str, op_target: str,
+            discovery_seconds: float | None = None) -> None:
         """Store a discovered rule, or the reason there is none."""
         ...
 
@@ -50,6 +51,8 @@ class DiscoveryStats:
     """Signatures discovered now (with a rule or a reason)."""
     seconds: float
     """Wall time of the whole call."""
+    discovery_seconds: tuple[float, ...] = ()
+    """Wall time of each signature discovered now, in graph order."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ def graph_rules(
     groups = signature_groups(graph)
     outcomes: dict[OpSignature, Rule | str] = {}
     from_db = 0
+    seconds: list[float] = []
     with _progress(progress, len(groups)) as advance:
         for signature, calls in groups.items():
             stored = db.get(signature.key, executor.framework, _version_key(executor)) if db is not None else None
@@ -97,9 +101,12 @@ def graph_rules(
                 outcomes[signature] = stored
                 from_db += 1
             else:
+                started = time.perf_counter()
                 outcomes[signature] = _discover_one(signature, calls[0], executor, config)
+                seconds.append(time.perf_counter() - started)
                 if db is not None:
-                    db.put(signature.key, executor.framework, _version_key(executor), outcomes[signature], signature.target)
+                    db.put(signature.key, executor.framework, _version_key(executor), outcomes[signature],
+                           signature.target, discovery_seconds=seconds[-1])
             advance(signature.target)
     rules, missing, keys = {}, {}, {}
     for signature, calls in groups.items():
@@ -107,7 +114,8 @@ def graph_rules(
             keys[call.node.name] = signature.key
             outcome = outcomes[signature]
             (missing if isinstance(outcome, str) else rules)[call.node.name] = outcome
-    stats = DiscoveryStats(len(graph.nodes), len(groups), from_db, len(groups) - from_db, time.perf_counter() - start)
+    stats = DiscoveryStats(len(graph.nodes), len(groups), from_db, len(groups) - from_db, time.perf_counter() - start,
+                           tuple(seconds))
     log.info(
         "rules for %s: %d ops, %d signatures (%d from the database, %d discovered), %d ops without a rule, %.1f s",
         graph.name, stats.ops, stats.signatures, stats.found_in_db, stats.discovered, len(missing), stats.seconds,
