@@ -42,6 +42,22 @@ class Reporter:
         shardings = Counter(format_sharding(s) for s in plan.input_shardings.values())
         self.console.print("input shardings: " + ", ".join(f"{text} x{count}" for text, count in shardings.most_common()))
         self.console.print(f"rank program: {len(program.instructions)} instructions, {len(program.reshards())} reshards")
+        self.unruled(plan)
+
+    def unruled(self, plan: Plan) -> None:
+        """The ops without a rule: they run replicated; list them with their reason and estimated cost."""
+        unruled = plan.solver.get("nodes_without_rule", {})
+        if not unruled:
+            return
+        groups: dict[tuple[str, str], list[float]] = {}
+        for item in unruled.values():
+            groups.setdefault((item.get("op", "?"), item["reason"]), []).append(item["compute_s"])
+        table = Table(title=f"{len(unruled)} node(s) without a rule run replicated")
+        for column in ("op", "nodes", "estimated compute", "reason"):
+            table.add_column(column, justify="right" if column in ("nodes", "estimated compute") else "left")
+        for (op, reason), seconds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+            table.add_row(op, str(len(seconds)), f"{sum(seconds) * 1e6:.1f} us", reason)
+        self.console.print(table)
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         if self.enabled:

@@ -121,7 +121,8 @@ def _make_plan(graph, problem: Problem, solution: Solution, assignment: Assignme
 
     started = time.perf_counter()
     unruled = {
-        name: {"reason": reason, "compute_s": node_compute_s(graph, name, assignment.node_strategies[name], problem.cluster)}
+        name: {"op": graph.node(name).op.target, "reason": reason,
+               "compute_s": node_compute_s(graph, name, assignment.node_strategies[name], problem.cluster)}
         for name, reason in problem.missing_rules.items()
     }
     stats = dict(problem.stats)
