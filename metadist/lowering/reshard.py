@@ -127,8 +127,12 @@ def plan_resharding(
     *,
     what: str = "a value",
 ) -> tuple[ReshardStep, ...]:
-    """The steps that take a tensor of ``global_shape`` from ``source`` to ``target`` sharding."""
-    source, target = tuple(source), tuple(target)
+    """The steps that take a tensor of ``global_shape`` from ``source`` to ``target`` sharding.
+
+    On an axis of size 1 every placement holds the whole value (one shard, one partial term),
+    so placements there are read as ``Replicate()`` and move nothing.
+    """
+    source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
     if source == target:
         return ()
     build = _Builder(global_shape, itemsize, source, mesh, coords, what)
@@ -141,6 +145,10 @@ def plan_resharding(
             f"ended at {format_sharding(tuple(build.current))}"
         )
     return tuple(build.steps)
+
+
+def _on_real_axes(sharding: Sequence, mesh: Mesh) -> tuple:
+    return tuple(Replicate() if size == 1 else placement for placement, size in zip(sharding, mesh.shape))
 
 
 def _unshard(build: _Builder, source: tuple, target: tuple) -> None:
