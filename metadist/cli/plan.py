@@ -61,18 +61,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def capture_and_discover(model: str, rules_db: str | None):
-    """The workload's graph and its rules (the rule database caches discovery)."""
-    from ..frontends.torch import capture_step
-    from ..frontends.torch.discovery import TorchExecutor
+    """The workload's graph and its rules (the rule database caches discovery).
+
+    PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*``
+    built-ins, or a model file returning a ``JaxWorkload``) from their jaxpr, with
+    rules discovered by executing the JAX primitives, into the same database.
+    """
+    from ..frontends.jax.workload import JaxWorkload
     from ..shardcombine.api import graph_rules
     from ..shardcombine.database import RuleDatabase
     from ..workloads import load_workload
 
     workload = load_workload(model)
-    optimizer = workload.optimizer(workload.model.parameters())
-    graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model).graph
+    if isinstance(workload, JaxWorkload):
+        from ..frontends.jax import capture_jax
+        from ..frontends.jax.discovery import JaxOpExecutor
+
+        step = capture_jax(workload)
+        graph, executor = step.graph, JaxOpExecutor(raw_params=step.raw_params)
+    else:
+        from ..frontends.torch import capture_step
+        from ..frontends.torch.discovery import TorchExecutor
+
+        optimizer = workload.optimizer(workload.model.parameters())
+        graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model).graph
+        executor = TorchExecutor()
     with RuleDatabase(rules_db) as db:
-        rules = graph_rules(graph, TorchExecutor(), db=db)
+        rules = graph_rules(graph, executor, db=db)
     return graph, rules
 
 
