@@ -23,7 +23,7 @@ from typing import Any, Callable
 from .ir import Mesh
 from .ir.plan import Plan
 
-__all__ = ["CompileOptions", "CompiledTrainStep", "compile", "plan"]
+__all__ = ["CompileOptions", "CompiledTrainStep", "capture_and_discover", "compile", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,41 @@ def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - 
     return CompiledTrainStep(fn, settings)
 
 
+def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[Any, Any]:
+    """A workload's graph and its rules (the rule database at ``rules_db``, default the user cache, caches discovery).
+
+    ``workload``: a :class:`metadist.Workload`, a JAX workload, a built-in name or a model file.
+    PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*`` built-ins, or a
+    model file returning a ``JaxWorkload``) from their jaxpr, with rules discovered by executing
+    the JAX primitives, into the same database.
+    """
+    from .frontends.jax.workload import JaxWorkload
+    from .shardcombine.api import graph_rules
+    from .shardcombine.database import RuleDatabase
+    from .workloads import load_workload
+
+    name = workload if isinstance(workload, str) else None
+    if isinstance(workload, str):
+        workload = load_workload(workload)
+    if isinstance(workload, JaxWorkload):
+        from .frontends.jax import capture_jax
+        from .frontends.jax.discovery import JaxOpExecutor
+
+        step = capture_jax(workload)
+        graph, executor = step.graph, JaxOpExecutor(raw_params=step.raw_params)
+    else:
+        from .frontends.torch import capture_step
+        from .frontends.torch.discovery import TorchExecutor
+
+        optimizer = workload.optimizer(workload.model.parameters())
+        graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
+                             name=workload.name or name or "step").graph
+        executor = TorchExecutor()
+    with RuleDatabase(rules_db) as db:
+        rules = graph_rules(graph, executor, db=db)
+    return graph, rules
+
+
 def plan(
     workload: Any,
     mesh: Mesh | str | tuple,
@@ -154,26 +189,16 @@ def plan(
     cluster: str | None = None,
     memory_gb: float | None = None,
     solver: str = "ilp",
-    db: Any = None,
+    rules_db: str | None = None,
 ) -> Plan:
-    """Plan a :class:`metadist.Workload` (or a built-in name / model file) for ``mesh``; no processes needed."""
+    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed."""
     from .cost.cluster import resolve_cluster
-    from .frontends.torch import capture_step
-    from .frontends.torch.discovery import TorchExecutor
-    from .shardcombine.api import graph_rules
-    from .shardcombine.database import RuleDatabase
     from .solver import plan_graph
-    from .workloads import load_workload
 
-    if isinstance(workload, str):
-        workload = load_workload(workload)
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh)))
-    optimizer = workload.optimizer(workload.model.parameters())
-    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or "step")
-    with (db if db is not None else RuleDatabase()) as database:
-        rules = graph_rules(step.graph, TorchExecutor(), db=database)
+    graph, rules = capture_and_discover(workload, rules_db)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
-    return plan_graph(step.graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
+    return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
 
 
 def _batch_signature(batch: Any) -> tuple:

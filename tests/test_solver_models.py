@@ -15,7 +15,7 @@ def rules_db():
 
 
 def _graph_and_rules(name: str, rules_db: str):
-    from metadist.cli.plan import capture_and_discover
+    from metadist.api import capture_and_discover
 
     return capture_and_discover(name, rules_db)
 

@@ -20,7 +20,7 @@ from rich.table import Table
 
 
 def _plan(model: str, mesh, cluster_name: str):
-    from ..cli.plan import capture_and_discover
+    from ..api import capture_and_discover
     from ..cost import resolve_cluster
     from ..solver import plan_graph
 

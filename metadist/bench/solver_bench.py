@@ -53,7 +53,7 @@ def bench_one(graph, rules, mesh: Mesh, cluster_spec: str | None, time_limit_s: 
 
 def capture(model: str, rules_db: str | None):
     """Graph and rules of a built-in (the rule database caches discovery across runs)."""
-    from ..cli.plan import capture_and_discover
+    from ..api import capture_and_discover
 
     return capture_and_discover(model, rules_db)
 

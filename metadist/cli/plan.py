@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     mesh = Mesh.parse(args.mesh)
     cluster = resolve_cluster(args.cluster, mesh)
+    from ..api import capture_and_discover
+
     graph, rules = capture_and_discover(args.model, args.rules_db)
     budget = None if args.memory_gb is None else args.memory_gb * 1e9
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
@@ -58,37 +60,6 @@ def run(args: argparse.Namespace) -> int:
         write_atomically(args.json, plan.to_json(indent=1))
         console.print(f"plan JSON written to {args.json}")
     return 0
-
-
-def capture_and_discover(model: str, rules_db: str | None):
-    """The workload's graph and its rules (the rule database caches discovery).
-
-    PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*``
-    built-ins, or a model file returning a ``JaxWorkload``) from their jaxpr, with
-    rules discovered by executing the JAX primitives, into the same database.
-    """
-    from ..frontends.jax.workload import JaxWorkload
-    from ..shardcombine.api import graph_rules
-    from ..shardcombine.database import RuleDatabase
-    from ..workloads import load_workload
-
-    workload = load_workload(model)
-    if isinstance(workload, JaxWorkload):
-        from ..frontends.jax import capture_jax
-        from ..frontends.jax.discovery import JaxOpExecutor
-
-        step = capture_jax(workload)
-        graph, executor = step.graph, JaxOpExecutor(raw_params=step.raw_params)
-    else:
-        from ..frontends.torch import capture_step
-        from ..frontends.torch.discovery import TorchExecutor
-
-        optimizer = workload.optimizer(workload.model.parameters())
-        graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model).graph
-        executor = TorchExecutor()
-    with RuleDatabase(rules_db) as db:
-        rules = graph_rules(graph, executor, db=db)
-    return graph, rules
 
 
 def _sharding(sharding) -> str:

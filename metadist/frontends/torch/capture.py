@@ -451,7 +451,7 @@ def _user_errors():
     except UnsupportedFakeTensorException as err:
         raise CaptureError(f"the training step uses a tensor MetaDist cannot trace at {_user_frame(err)}: {err}") from err
     except Exception as err:  # a user's exception while tracing: say where, keep the cause chained
-        if _is_guard_on_data(err):
+        if type(err).__name__ == "GuardOnDataDependentSymNode":
             raise CaptureError(
                 f"the training step has data-dependent Python control flow at {_user_frame(err)}: {err}. "
                 "Use torch.where instead of `if tensor:`"
@@ -459,10 +459,6 @@ def _user_errors():
         raise CaptureError(
             f"the training step failed while being traced, at {_user_frame(err)}: {type(err).__name__}: {err}"
         ) from err
-
-
-def _is_guard_on_data(err: Exception) -> bool:
-    return type(err).__name__ in {"GuardOnDataDependentSymNode", "DataDependentOutputException"}
 
 
 def _user_frame(err: BaseException) -> str:
