@@ -22,6 +22,7 @@ _LAZY = {
     "plan": ("metadist.api", "plan"),
     "CompileOptions": ("metadist.api", "CompileOptions"),
     "Plan": ("metadist.ir.plan", "Plan"),
+    "materialize": ("metadist.frontends.torch.materialize", "materialize"),
 }
 
 

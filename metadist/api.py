@@ -44,14 +44,25 @@ class CompileOptions:
     """Bound on the rendezvous and every collective, so a failed rank never hangs the others."""
     compile_backend: str | None = None
     """Run each rank's program through ``torch.compile`` with this backend (e.g. ``inductor`` on GPUs)."""
+    init_seed: int = 0
+    """A model on the meta device: the seed of its initialisation (each rank materialises only its shards)."""
+    init_fn: Callable | None = None
+    """A model on the meta device: ``init_fn(module)`` initialises a module's own tensors, instead of its
+    ``reset_parameters()`` or HuggingFace's ``_init_weights`` (see ``metadist.materialize``)."""
 
 
 class CompiledTrainStep:
     """A user's ``train_step(model, optimizer, batch)``, compiled on first call and run distributed after.
 
     State (parameters, buffers, optimizer states) stays sharded between calls;
-    :meth:`state_dict` gathers full tensors on request and :meth:`sync_to_model`
-    writes them back into the user's model and optimizer.
+    :meth:`state_dict` gathers full tensors on request, :meth:`sync_to_model`
+    writes them back into the user's model and optimizer, :meth:`sharded_state_dict`
+    gives the shards as DTensors, and :meth:`save`/:meth:`load` checkpoint them
+    with torch.distributed.checkpoint (a checkpoint loads under another plan).
+
+    A model built on the meta device is initialised shard by shard: each rank
+    materialises only its shards, with the values ``metadist.materialize``
+    gives the whole model on one device.
     """
 
     def __init__(self, fn: Callable, options: CompileOptions) -> None:
@@ -75,10 +86,16 @@ class CompiledTrainStep:
             log.warning("batch shapes changed from %s to %s: compiling the step again", self._bound[2], key[2])
             self.sync_to_model(model, optimizer)
             self.compiled = None
+        self.prepare(model, optimizer, batch)
+        return self.compiled(model, optimizer, batch)
+
+    def prepare(self, model: Any, optimizer: Any, batch: Any) -> None:
+        """Compile for this model, optimizer and batch shapes and shard the state, without running a step
+        (e.g. before :meth:`load`)."""
         if self.compiled is None:
             self._compile(model, optimizer, batch)
-            self._bound = key
-        return self.compiled(model, optimizer, batch)
+            self._bound = (id(model), id(optimizer), _batch_signature(batch))
+        self.compiled.prepare(model, optimizer, batch)
 
     @property
     def plan(self) -> Plan:
@@ -95,22 +112,36 @@ class CompiledTrainStep:
         self._require_compiled()
         self.compiled.write_back(model, optimizer)
 
+    def sharded_state_dict(self) -> dict:
+        """Parameters, buffers and optimizer states as DTensors over this rank's shards, by graph input name."""
+        self._require_compiled()
+        return self.compiled.sharded_state_dict()
+
+    def save(self, path: Any) -> None:
+        """Save the sharded state as a torch.distributed.checkpoint directory (collective)."""
+        self._require_compiled()
+        self.compiled.save_checkpoint(path)
+
+    def load(self, path: Any) -> None:
+        """Load the state from a torch.distributed.checkpoint directory (collective); call after :meth:`prepare`
+        or a step. The checkpoint may come from another plan or mesh."""
+        self._require_compiled()
+        self.compiled.load_checkpoint(path)
+
     def _compile(self, model: Any, optimizer: Any, batch: Any) -> None:
-        from . import __version__
         from .frontends.torch import capture_step
-        from .runtime import check_same_everywhere, read_torchrun_env, setup_device_mesh
-        from .runtime.plan_source import load_plan, plan_decisions
-        from .runtime.step import CompiledStep
+        from .runtime import read_torchrun_env, setup_device_mesh
+        from .runtime.build import StepOptions, compile_captured, read_plan_source
 
         mesh, device_mesh = self._mesh()
         if device_mesh is None:
             device_mesh = setup_device_mesh(mesh, read_torchrun_env(), timeout_s=self.options.timeout_s)
         self.torch_step = capture_step(self.fn, model, optimizer, batch, name=getattr(self.fn, "__name__", "step"))
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
-        plan_ = load_plan(self.options.plan, self.torch_step, mesh, __version__, memory, self.options.cluster)
-        check_same_everywhere(plan_decisions(plan_), "plan")
-        self.compiled = CompiledStep(self.torch_step, plan_, device_mesh, metadist_version=__version__,
-                                     compile_backend=self.options.compile_backend)
+        options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
+                              compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
+                              init_fn=self.options.init_fn)
+        self.compiled, _ = compile_captured(self.torch_step, mesh, device_mesh, options)
 
     def _mesh(self) -> tuple[Mesh, Any]:
         """The logical mesh, and the DeviceMesh if the user gave one."""

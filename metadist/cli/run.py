@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run each rank's program through torch.compile with BACKEND (e.g. inductor, aot_eager)")
     parser.add_argument("--check-shapes", action="store_true",
                         help="run the rank programs op by op, checking local shapes; names the node that fails (slow)")
+    parser.add_argument("--meta-init", action="store_true",
+                        help="build a built-in model on the meta device: each rank materialises only its shards, with the "
+                             "values metadist.materialize gives on one device (large built-ins are on meta already)")
+    parser.add_argument("--init-seed", type=int, default=0, help="seed of a meta-device model's initialisation")
     parser.set_defaults(handler=run)
 
 
@@ -69,6 +73,10 @@ def worker_command(args: argparse.Namespace) -> list[str]:
         command += ["--compile-backend", args.compile]
     if args.check_shapes:
         command.append("--check-shapes")
+    if getattr(args, "meta_init", False):
+        command += ["--device", "meta"]
+    if getattr(args, "init_seed", 0):
+        command += ["--init-seed", str(args.init_seed)]
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command

@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..frontends.torch import capture_step
+from ..frontends.torch.materialize import has_meta_tensors, materialize
 from .errors import CheckError
 
 __all__ = ["Tolerance", "Difference", "CheckReport", "ReferenceRun", "reference_run", "compare_runs"]
@@ -103,9 +104,25 @@ class ReferenceRun:
     """Per element, the smallest gradient magnitude over all steps (empty: use ``grads``)."""
 
 
-def reference_run(train_step: Callable, model: torch.nn.Module, make_optimizer: Callable, batch: Any, *, steps: int, seed: int) -> ReferenceRun:
-    """Run ``steps`` steps of the captured graph on one device, on a copy of ``model``."""
+def reference_run(
+    train_step: Callable,
+    model: torch.nn.Module,
+    make_optimizer: Callable,
+    batch: Any,
+    *,
+    steps: int,
+    seed: int,
+    init_seed: int = 0,
+    init_fn: Callable | None = None,
+) -> ReferenceRun:
+    """Run ``steps`` steps of the captured graph on one device, on a copy of ``model``.
+
+    A model with meta tensors is materialised whole (``materialize(copy, seed=init_seed)``):
+    the values the distributed run's shards hold.
+    """
     model = copy.deepcopy(model)
+    if has_meta_tensors(model):
+        materialize(model, seed=init_seed, init_fn=init_fn)
     optimizer = make_optimizer(model.parameters())
     torch_step = capture_step(train_step, model, optimizer, batch, keep_grads=True, name="reference")
     torch.manual_seed(seed)

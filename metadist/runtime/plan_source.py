@@ -21,7 +21,7 @@ PLAN_SOURCES = ("solver", "replicate", "dp", "zero2", "zero3", "megatron")
 
 
 def load_plan(
-    source: str,
+    source: str | Plan,
     torch_step: TorchStep,
     mesh: Mesh,
     metadist_version: str,
@@ -31,11 +31,14 @@ def load_plan(
     """The plan for ``torch_step.graph`` on ``mesh`` from ``source`` (checked against the graph).
 
     ``source``: ``solver`` (ShardCombine's rules, then the ILP), ``replicate``, a
-    solver baseline (``dp``, ``zero2``, ``zero3``, ``megatron``) or a plan JSON file.
+    solver baseline (``dp``, ``zero2``, ``zero3``, ``megatron``), a plan JSON file
+    or a :class:`Plan` already read.
     ``cluster``: the cost model's cluster preset or file (None: ``cpu-gloo`` on CPU).
     """
     graph = torch_step.graph
-    if source == "replicate":
+    if isinstance(source, Plan):
+        plan, source = source, "the given plan"
+    elif source == "replicate":
         plan = replicate_plan(graph, mesh, metadist_version)
     elif source in PLAN_SOURCES:
         plan = _solver_plan(torch_step, mesh, source, memory_budget_bytes, cluster)

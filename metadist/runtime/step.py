@@ -8,23 +8,27 @@ leaves its shards, so the model and optimizer are not touched until
 global batch. The loss (and any other user output) comes back whole.
 
 Weights: a model on a real device is sharded from its full tensors. A model
-on the meta device is not supported yet: materialise it first (its shards
-would have to reproduce a single-device initialisation).
+on the meta device is initialised one module at a time
+(:func:`metadist.frontends.torch.materialize.iter_materialized`): each rank
+keeps only its shards of each module's tensors, with exactly the values
+``materialize(model)`` gives on one device; fresh optimizer state is created
+as local zeros. The model itself stays on ``meta``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..frontends.torch import TorchStep
+from ..frontends.torch.materialize import has_meta_tensors, iter_materialized
 from ..ir import Replicate, Role, Shard
 from ..ir.plan import Plan
-from ..lowering import RankProgram, lower, plan_resharding
+from ..lowering import ProgramInput, RankProgram, lower, plan_resharding
 from .collectives import Collectives, run_steps
 from .errors import RunInputError, RuntimeSetupError
 from .graph_module import CheckingInterpreter, build_rank_module
@@ -48,9 +52,12 @@ class CompiledStep:
         metadist_version: str,
         check_shapes: bool = False,
         compile_backend: str | None = None,
+        init_seed: int = 0,
+        init_fn: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         """``check_shapes`` runs the program op by op and names the MetaIR node that fails (slower);
-        ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs)."""
+        ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs);
+        ``init_seed`` and ``init_fn`` initialise a meta-device model (see :func:`iter_materialized`)."""
         if check_shapes and compile_backend:
             raise RunInputError("check_shapes runs the program op by op; it cannot be combined with torch.compile")
         plan.check_for(torch_step.graph, metadist_version)
@@ -61,6 +68,7 @@ class CompiledStep:
             )
         self.torch_step = torch_step
         self.plan = plan
+        self.device_mesh = device_mesh
         self.coords = tuple(device_mesh.get_coordinate())
         self.program: RankProgram = lower(torch_step.graph, plan, self.coords)
         self.comm = Collectives.from_device_mesh(device_mesh)
@@ -72,6 +80,7 @@ class CompiledStep:
         self._grads: dict[str, torch.Tensor] = {}
         self._slots = {slot.name: slot for slot in torch_step.slots}
         self.check_shapes = check_shapes
+        self.init_seed, self.init_fn = init_seed, init_fn
         self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
 
     # -- running -------------------------------------------------------------
@@ -84,19 +93,54 @@ class CompiledStep:
         return self._store(outputs)
 
     def _load_state(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> dict[str, torch.Tensor]:
-        if any(tensor.device.type == "meta" for tensor in model.parameters()):
-            raise RuntimeSetupError(
-                "the model is on the meta device: the runtime shards real weights (each rank slices its shard of "
-                "the full tensors). Build the model on a real device; meta-device initialisation of shards is not "
-                "supported yet"
-            )
+        if has_meta_tensors(model):
+            return self._load_meta_state(model, optimizer)
         full = self.torch_step.gather_inputs(model, optimizer, batch)
         state = {}
         for program_input, tensor in zip(self.program.inputs, full):
             if self._slots[program_input.name].kind in _STATE_KINDS:
-                piece = shard_full_tensor(tensor, program_input.sharding, self.plan.mesh.shape, self.coords)
-                state[program_input.name] = piece.to(self.device)
+                state[program_input.name] = self._shard(tensor, program_input)
         return state
+
+    def _shard(self, tensor: torch.Tensor, program_input: ProgramInput) -> torch.Tensor:
+        return shard_full_tensor(tensor, program_input.sharding, self.plan.mesh.shape, self.coords).to(self.device)
+
+    def _load_meta_state(self, model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+        """The state shards of a model with meta tensors: each unit materialised, sliced, dropped in turn."""
+        by_key = {(slot.kind, slot.key): slot.name for slot in self.torch_step.slots if slot.kind in ("param", "buffer")}
+        inputs = {program_input.name: program_input for program_input in self.program.inputs}
+        state: dict[str, torch.Tensor] = {}
+        for item in iter_materialized(model, seed=self.init_seed, init_fn=self.init_fn):
+            name = by_key.get((item.kind, item.name))
+            if name is not None:  # tensors the step never reads are not inputs
+                state[name] = self._shard(item.tensor, inputs[name])
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        for program_input in self.program.inputs:
+            slot = self._slots[program_input.name]
+            if slot.kind not in _STATE_KINDS or program_input.name in state:
+                continue
+            if slot.kind == "param":
+                state[program_input.name] = self._shard(params[slot.key].detach(), program_input)
+            elif slot.kind == "buffer":
+                state[program_input.name] = self._shard(buffers[slot.key], program_input)
+            elif slot.kind == "constant":
+                state[program_input.name] = self._shard(self.torch_step.constants[slot.key], program_input)
+            else:
+                state[program_input.name] = self._fresh_state(optimizer, params[slot.key], slot, program_input)
+        return state
+
+    def _fresh_state(self, optimizer: Any, param: torch.Tensor, slot, program_input: ProgramInput) -> torch.Tensor:
+        """Optimizer state of a meta parameter: the real existing state's shard, or torch's initial zeros, local."""
+        existing = optimizer.state.get(param, {}) if optimizer is not None else {}
+        tensor = existing.get(slot.state_key)
+        if tensor is None:
+            return torch.zeros(program_input.local_shape, dtype=getattr(torch, program_input.spec.dtype), device=self.device)
+        if tensor.device.type == "meta":
+            raise RuntimeSetupError(
+                f"optimizer state {slot.state_key!r} of parameter {slot.key!r} is on the meta device and has no values; "
+                "build the optimizer before its first step (MetaDist creates fresh state) or load real state"
+            )
+        return self._shard(tensor, program_input)
 
     def _inputs(self, batch: Any) -> list[torch.Tensor]:
         leaves = pytree.tree_flatten(batch)[0]
@@ -147,6 +191,29 @@ class CompiledStep:
             if self._slots[name].kind != "constant"
         }
 
+    def sharded_state_dict(self) -> dict:
+        """Parameters, buffers and optimizer states as DTensors over this rank's shards (no copy, no collective)."""
+        from .checkpoint import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def save_checkpoint(self, path: Any) -> None:
+        """Save the sharded state with torch.distributed.checkpoint (collective); loadable under another plan."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: Any) -> None:
+        """Load the state from a torch.distributed.checkpoint directory into the shards (collective)."""
+        from .checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
+        """Take the state from the model and optimizer (as the first call does) without running a step."""
+        if self._state is None:
+            self._state = self._load_state(model, optimizer, batch)
+
     def grads(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step by parameter name (captured with ``keep_grads=True``; collective)."""
         result = {}
@@ -158,6 +225,11 @@ class CompiledStep:
 
     def write_back(self, model: torch.nn.Module, optimizer: Any) -> None:
         """Copy the full state into the model and the optimizer (collective: every rank must call it)."""
+        if has_meta_tensors(model):
+            raise RunInputError(
+                "the model lives on the meta device, so its full state cannot be written back into it; read the full "
+                "tensors with state_dict(), or save the shards with a distributed checkpoint"
+            )
         full = self.state_dict()
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         with torch.no_grad():

@@ -56,6 +56,10 @@ class WorkerConfig:
     """Run the rank program op by op, checking local shapes and naming a failing node (slower)."""
     compile_backend: str | None = None
     """Run the rank program through ``torch.compile`` with this backend; None runs it as is."""
+    device: str | None = None
+    """Built-in workloads only: build the model on this device (``meta``: each rank materialises only its shards)."""
+    init_seed: int = 0
+    """Seed of a meta-device model's initialisation (the same on every rank and in the reference)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -72,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--cluster", default=None)
     parser.add_argument("--check-shapes", action="store_true")
     parser.add_argument("--compile-backend", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -82,17 +88,16 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         memory_budget_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
         check=args.check, seed=args.seed, timeout_s=args.timeout_s, optimizer=args.optimizer,
         cluster=args.cluster, check_shapes=args.check_shapes,
-        compile_backend=args.compile_backend,
+        compile_backend=args.compile_backend, device=args.device, init_seed=args.init_seed,
     )
 
 
 def run_worker(config: WorkerConfig) -> int:
     """The recipe; returns the exit status."""
-    from .. import __version__
     from ..frontends.torch import capture_step
-    from .plan_source import load_plan, plan_decisions
+    from ..ir.plan import Plan, graph_fingerprint
+    from .build import StepOptions, compile_captured, read_plan_source
     from .report import Reporter
-    from .step import CompiledStep
 
     env = read_torchrun_env()
     device_mesh = setup_device_mesh(config.mesh, env, timeout_s=config.timeout_s)
@@ -100,21 +105,22 @@ def run_worker(config: WorkerConfig) -> int:
     workload = _load_workload(config)
     optimizer = workload.optimizer(workload.model.parameters())
     train_step = workload.train_step()
+    plan_source = read_plan_source(config.plan)
     torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
     compare_grads = config.check
-    if config.check and _is_plan_file_for_another_graph(config.plan, torch_step):
+    if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
         without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step")
-        if not _is_plan_file_for_another_graph(config.plan, without_grads):
+        if plan_source.graph_fingerprint == graph_fingerprint(without_grads.graph):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
                           "parameters, buffers and optimizer state, not the gradients")
-    plan = load_plan(config.plan, torch_step, config.mesh, __version__, config.memory_budget_bytes, config.cluster)
-    plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
+    options = StepOptions(plan=plan_source, memory_budget_bytes=config.memory_budget_bytes, cluster=config.cluster,
+                          check_shapes=config.check_shapes, compile_backend=config.compile_backend, init_seed=config.init_seed)
+    compiled, plan_hash = compile_captured(torch_step, config.mesh, device_mesh, options)
+    plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
     reference = _reference(config, workload, train_step) if config.check else None
-    compiled = CompiledStep(torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=config.check_shapes,
-                            compile_backend=config.compile_backend)
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     losses = []
@@ -134,29 +140,24 @@ def run_worker(config: WorkerConfig) -> int:
     return 0
 
 
-def _is_plan_file_for_another_graph(source: str, torch_step) -> bool:
-    """Whether ``source`` is a plan file whose graph fingerprint differs from ``torch_step``'s graph."""
-    from pathlib import Path
-
-    from ..ir.plan import Plan, graph_fingerprint
-
-    path = Path(source)
-    return path.is_file() and graph_fingerprint(torch_step.graph) != Plan.from_json(path.read_text()).graph_fingerprint
-
-
 def _load_workload(config: WorkerConfig):
     from ..workloads import builtin_workload, load_workload
     from ..workloads.builtin import BUILTINS
 
     if config.model in BUILTINS:
-        return builtin_workload(config.model, optimizer=config.optimizer)
+        return builtin_workload(config.model, optimizer=config.optimizer, device=config.device)
+    if config.device is not None:
+        from .errors import RunInputError
+
+        raise RunInputError(f"--device applies to built-in workloads; {config.model!r} builds its own model")
     return load_workload(config.model)
 
 
 def _reference(config: WorkerConfig, workload, train_step):
     from .check import reference_run
 
-    return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed)
+    return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed,
+                         init_seed=config.init_seed)
 
 
 def main(argv: list[str] | None = None) -> int:

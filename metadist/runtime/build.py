@@ -1,0 +1,65 @@
+"""The recipe ``metadist.compile`` and ``metadist run``'s worker share: plan a captured step, agree, compile.
+
+Given a captured :class:`TorchStep`: make the plan (rank 0 solves and
+broadcasts, or a baseline, or a plan file), prove every rank holds the same
+plan, and build this rank's :class:`CompiledStep`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..frontends.torch import TorchStep
+from ..ir import Mesh
+from ..ir.plan import Plan
+from .plan_source import PLAN_SOURCES, load_plan, plan_decisions
+from .setup import check_same_everywhere
+from .step import CompiledStep
+
+__all__ = ["StepOptions", "compile_captured", "read_plan_source"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How a captured step is planned and run."""
+
+    plan: str | Plan = "solver"
+    """``solver``, ``replicate``, a baseline (``dp``, ``zero2``, ``zero3``, ``megatron``), a plan file or a :class:`Plan`."""
+    memory_budget_bytes: int | None = None
+    """Per-device memory budget for the solver; None for no budget."""
+    cluster: str | None = None
+    """Cost-model cluster preset or file (None: ``cpu-gloo`` on CPU)."""
+    check_shapes: bool = False
+    """Run the rank program op by op, checking local shapes (slower)."""
+    compile_backend: str | None = None
+    """Run the rank program through ``torch.compile`` with this backend."""
+    init_seed: int = 0
+    """Seed of a meta-device model's initialisation (see ``iter_materialized``)."""
+    init_fn: Callable[[torch.nn.Module], None] | None = None
+    """Per-module init of a meta-device model, instead of ``reset_parameters``/HuggingFace's ``_init_weights``."""
+
+
+def read_plan_source(source: str | Plan) -> str | Plan:
+    """A plan file read once into a :class:`Plan`; the names of other plan sources as they are."""
+    if isinstance(source, Plan) or source in PLAN_SOURCES:
+        return source
+    path = Path(source)
+    return Plan.from_json(path.read_text()) if path.is_file() else source
+
+
+def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh, options: StepOptions) -> tuple[CompiledStep, str]:
+    """This rank's compiled step for ``torch_step`` on ``device_mesh``, and the hash of the plan all ranks agreed on."""
+    from .. import __version__
+
+    plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster)
+    plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
+    compiled = CompiledStep(
+        torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
+        compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
+    )
+    return compiled, plan_hash
