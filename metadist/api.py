@@ -187,8 +187,7 @@ def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[An
     the JAX primitives, into the same database.
     """
     from .frontends.jax.workload import JaxWorkload
-    from .shardcombine.api import graph_rules
-    from .shardcombine.database import RuleDatabase
+    from .shardcombine.api import rules_from_database
     from .workloads import load_workload
 
     name = workload if isinstance(workload, str) else None
@@ -208,9 +207,7 @@ def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[An
         graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
                              name=workload.name or name or "step").graph
         executor = TorchExecutor()
-    with RuleDatabase(rules_db) as db:
-        rules = graph_rules(graph, executor, db=db)
-    return graph, rules
+    return graph, rules_from_database(graph, executor, rules_db)
 
 
 def plan(

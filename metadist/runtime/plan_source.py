@@ -73,14 +73,12 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
 
     from ..cost.cluster import resolve_cluster
     from ..frontends.torch.discovery import TorchExecutor
-    from ..shardcombine.api import graph_rules
-    from ..shardcombine.database import RuleDatabase
+    from ..shardcombine.api import rules_from_database
     from ..solver import baseline_plan, plan_graph
 
     if cluster is None and not torch.cuda.is_available():
         cluster = "cpu-gloo"
-    with RuleDatabase() as db:
-        rules = graph_rules(torch_step.graph, TorchExecutor(), db=db)
+    rules = rules_from_database(torch_step.graph, TorchExecutor())
     resolved = resolve_cluster(cluster, mesh)
     if source == "solver":
         return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes)

@@ -19,7 +19,7 @@ from .discover import DiscoveryConfig, NoRule, discover
 from .executor import OpCall, OpExecutor, op_call
 from .signature import OpSignature, signature_of
 
-__all__ = ["DiscoveryStats", "GraphRules", "RuleStore", "graph_rules", "signature_groups"]
+__all__ = ["DiscoveryStats", "GraphRules", "RuleStore", "graph_rules", "rules_from_database", "signature_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,14 @@ def graph_rules(
         graph.name, stats.ops, stats.signatures, stats.found_in_db, stats.discovered, len(missing), stats.seconds,
     )
     return GraphRules(rules, missing, stats, keys)
+
+
+def rules_from_database(graph: Graph, executor: OpExecutor, rules_db: str | None = None, progress: bool = False) -> GraphRules:
+    """:func:`graph_rules` through the SQLite rule database at ``rules_db`` (default: the user cache)."""
+    from .database import RuleDatabase
+
+    with RuleDatabase(rules_db) as db:
+        return graph_rules(graph, executor, db=db, progress=progress)
 
 
 def _discover_one(signature: OpSignature, call: OpCall, executor: OpExecutor, config: DiscoveryConfig) -> Rule | str:
