@@ -1,4 +1,4 @@
-"""Built-in JAX workloads: an MLP and a tiny GPT-2 in plain ``jax.numpy``, trained with optax.
+"""Built-in JAX workloads: MLPs (plain, scanned layers, dropout) and a tiny GPT-2 in ``jax.numpy``, trained with optax.
 
 Each built-in is random-initialised from a fixed ``PRNGKey`` (nothing is
 downloaded), so the same name gives the same weights and batch every time.
@@ -15,7 +15,7 @@ from typing import Any
 from ..frontends.jax.workload import JaxWorkload
 from ..workload import WorkloadError
 
-__all__ = ["JAX_BUILTIN_NAMES", "GPT2Config", "MLPConfig", "jax_builtin_workload"]
+__all__ = ["JAX_BUILTIN_NAMES", "DropoutMLPConfig", "GPT2Config", "MLPConfig", "ScanMLPConfig", "jax_builtin_workload"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,135 @@ def mlp_workload(config: MLPConfig = MLPConfig()) -> JaxWorkload:
     return JaxWorkload(
         params=params, batch=batch, loss_fn=loss_fn, optimizer=optax.adamw(config.learning_rate),
         name="jax-mlp", description=f"3-layer GELU MLP {widths} in jax.numpy; optax.adamw",
+        extras={"config": config, "params": _count(params)},
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScanMLPConfig:
+    """A GELU MLP whose hidden layers are stacked and applied with ``jax.lax.scan``."""
+
+    in_features: int = 64
+    """Width of the input."""
+    hidden_features: int = 128
+    """Width of the hidden layers."""
+    hidden_layers: int = 4
+    """Stacked hidden layers (the scan's length)."""
+    num_classes: int = 10
+    """Number of classes of the softmax cross-entropy."""
+    batch_size: int = 32
+    """Global batch size."""
+    learning_rate: float = 1e-3
+    """AdamW learning rate."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_layers < 1:
+            raise WorkloadError(f"ScanMLPConfig: hidden_layers must be at least 1, got {self.hidden_layers}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DropoutMLPConfig:
+    """The built-in MLP with dropout after each hidden layer, its key a raw uint32 ``PRNGKey`` in the batch."""
+
+    in_features: int = 64
+    """Width of the input."""
+    hidden_features: int = 256
+    """Width of the two hidden layers."""
+    num_classes: int = 10
+    """Number of classes of the softmax cross-entropy."""
+    batch_size: int = 32
+    """Global batch size."""
+    dropout_rate: float = 0.1
+    """Probability that dropout zeroes an activation."""
+    learning_rate: float = 1e-3
+    """AdamW learning rate."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise WorkloadError(f"DropoutMLPConfig: dropout_rate must be in [0, 1), got {self.dropout_rate}")
+
+
+def _cross_entropy(logits: Any, targets: Any, num_classes: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    log_probs = jax.nn.log_softmax(logits, axis=-1)  # (B, classes)
+    one_hot = jax.nn.one_hot(targets, num_classes, dtype=log_probs.dtype)
+    return -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
+
+
+def _classification_batch(key: Any, batch_size: int, in_features: int, num_classes: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    input_key, target_key = jax.random.split(key)
+    return {
+        "inputs": jax.random.normal(input_key, (batch_size, in_features), jnp.float32),  # (B, F)
+        "targets": jax.random.randint(target_key, (batch_size,), 0, num_classes),  # (B,)
+    }
+
+
+def scan_mlp_workload(config: ScanMLPConfig = ScanMLPConfig()) -> JaxWorkload:
+    """An MLP whose ``hidden_layers`` identical layers are one stacked pytree, applied with ``lax.scan``."""
+    import jax
+    import optax
+
+    keys = jax.random.split(jax.random.PRNGKey(SEED), 3 + config.hidden_layers)
+    hidden = [_dense(keys[2 + index], config.hidden_features, config.hidden_features)
+              for index in range(config.hidden_layers)]
+    params = {
+        "fc_in": _dense(keys[0], config.in_features, config.hidden_features),
+        "hidden": jax.tree_util.tree_map(lambda *layers: jax.numpy.stack(layers), *hidden),  # w (L, H, H), b (L, H)
+        "fc_out": _dense(keys[1], config.hidden_features, config.num_classes),
+    }
+    batch = _classification_batch(keys[-1], config.batch_size, config.in_features, config.num_classes)
+
+    def layer(x: Any, weights: dict) -> tuple[Any, None]:
+        return jax.nn.gelu(x @ weights["w"] + weights["b"]), None  # (B, H)
+
+    def loss_fn(params: dict, batch: dict) -> Any:
+        x = jax.nn.gelu(batch["inputs"] @ params["fc_in"]["w"] + params["fc_in"]["b"])  # (B, H)
+        x, _ = jax.lax.scan(layer, x, params["hidden"])  # (B, H)
+        logits = x @ params["fc_out"]["w"] + params["fc_out"]["b"]  # (B, classes)
+        return _cross_entropy(logits, batch["targets"], config.num_classes)
+
+    return JaxWorkload(
+        params=params, batch=batch, loss_fn=loss_fn, optimizer=optax.adamw(config.learning_rate),
+        name="jax-mlp-scan",
+        description=(f"GELU MLP, {config.hidden_layers} stacked {config.hidden_features}-wide layers applied with "
+                     "lax.scan; optax.adamw"),
+        extras={"config": config, "params": _count(params)},
+    )
+
+
+def dropout_mlp_workload(config: DropoutMLPConfig = DropoutMLPConfig()) -> JaxWorkload:
+    """The 3-layer MLP with dropout; the batch carries the dropout key as raw ``uint32`` data (``PRNGKey``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    keys = jax.random.split(jax.random.PRNGKey(SEED), 5)
+    widths = (config.in_features, config.hidden_features, config.hidden_features, config.num_classes)
+    params = {f"fc{index}": _dense(keys[index], widths[index], widths[index + 1]) for index in range(3)}
+    batch = _classification_batch(keys[3], config.batch_size, config.in_features, config.num_classes)
+    batch["dropout_key"] = jax.random.PRNGKey(SEED + 1)  # (2,) uint32
+    keep_rate = 1.0 - config.dropout_rate
+
+    def loss_fn(params: dict, batch: dict) -> Any:
+        hidden = batch["inputs"]  # (B, F)
+        for index in range(3):
+            layer = params[f"fc{index}"]
+            hidden = hidden @ layer["w"] + layer["b"]
+            if index < 2:
+                hidden = jax.nn.gelu(hidden)
+                keep = jax.random.bernoulli(jax.random.fold_in(batch["dropout_key"], index), keep_rate, hidden.shape)
+                hidden = jnp.where(keep, hidden / keep_rate, 0.0)  # (B, H)
+        return _cross_entropy(hidden, batch["targets"], config.num_classes)
+
+    return JaxWorkload(
+        params=params, batch=batch, loss_fn=loss_fn, optimizer=optax.adamw(config.learning_rate),
+        name="jax-mlp-dropout",
+        description=f"3-layer GELU MLP {widths} with dropout {config.dropout_rate} (raw uint32 key in the batch); optax.adamw",
         extras={"config": config, "params": _count(params)},
     )
 
@@ -204,7 +333,8 @@ def gpt2_workload(config: GPT2Config = GPT2Config()) -> JaxWorkload:
 
 # ---------------------------------------------------------------- catalogue
 
-_BUILDERS = {"jax-mlp": mlp_workload, "jax-gpt2-tiny": gpt2_workload}
+_BUILDERS = {"jax-mlp": mlp_workload, "jax-gpt2-tiny": gpt2_workload, "jax-mlp-scan": scan_mlp_workload,
+             "jax-mlp-dropout": dropout_mlp_workload}
 
 JAX_BUILTIN_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 """The names :func:`jax_builtin_workload` takes."""

@@ -7,6 +7,10 @@ The recipe:
 2. Nested jaxprs (``jit``/``pjit``, ``custom_jvp_call``, ``custom_vjp_call``,
    ``remat``, ``closed_call``) are inlined, so the graph is flat; their
    constants become constant inputs (scalars become literal arguments).
+   Control flow is expanded (:mod:`.control_flow`): ``scan`` unrolled,
+   ``cond`` computed on every branch and selected, ``while`` unrolled when its
+   trip count is static. Typed PRNG keys are carried as their uint32 key data
+   (:mod:`.keys`).
 3. Every remaining equation is a node: ``MetaOp("jax.lax.<primitive>")``, its
    operands as arguments (:class:`ValueRef` for tensors, a ``jax.scalar``
    literal for jaxpr literals) and its params as keyword arguments
@@ -18,6 +22,7 @@ The recipe:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,11 +30,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...ir import Graph, GraphInput, GraphOutput, MetaOp, Node, Role, TensorSpec, Value, ValueRef
+from ...ir import Graph, GraphInput, GraphOutput, Literal, MetaOp, Node, Role, TensorSpec, Value, ValueRef
 from ...ir.graph import DTYPE_BYTES
+from .control_flow import CONTROL_FLOW
 from .errors import JaxCaptureError
-from .params import decode_params, decode_scalar, dtype_name, encode_params, encode_scalar
-from .primitives import op_tags, op_target, register_primitive
+from .keys import is_key, key_data_aval, rewrite_key_equation, touches_keys
+from .params import SCALAR_KIND, decode_params, decode_scalar, dtype_name, encode_params, encode_scalar
+from .primitives import RANDOM_PRIMITIVES, op_tags, op_target, register_primitive
 from .workload import JaxWorkload
 
 __all__ = ["JaxStep", "capture_jax", "capture_step"]
@@ -42,6 +49,9 @@ INLINED = {
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
     "remat": "jaxpr", "checkpoint": "jaxpr",
 }
+
+#: Primitives that return uninitialized memory; the capture writes zeros instead (any value is correct).
+UNINITIALIZED = frozenset({"empty", "empty2"})
 
 _ROLE_OF_PART = {"params": Role.PARAM, "opt_state": Role.OPTIM_STATE, "batch": Role.BATCH}
 
@@ -69,6 +79,7 @@ class JaxStep:
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten((params, opt_state, batch))
+        leaves = [jax.random.key_data(leaf) if is_key(leaf) else leaf for leaf in leaves]  # keys travel as key data
         if tree != self.in_tree:
             raise JaxCaptureError(
                 "the params/opt_state/batch pytrees differ from the captured ones; capture the step again "
@@ -103,6 +114,9 @@ def capture_step(train_step: Any, params: Any, opt_state: Any, batch: Any, *, na
     paths_and_leaves, in_tree = jax.tree_util.tree_flatten_with_path((params, opt_state, batch))
     out_tree = jax.tree_util.tree_structure(out_shapes)
     _check_outputs(out_shapes, params, opt_state)
+    if any(is_key(var.aval) for var in closed.jaxpr.outvars):
+        raise JaxCaptureError("the step returns a typed PRNG key among its new params or optimizer state; MetaIR "
+                              "carries keys as their data only: keep jax.random.key_data(key) in the state instead")
     builder = _GraphBuilder()
     for (path, leaf), var in zip(paths_and_leaves, closed.jaxpr.invars):
         source = _path_name(path)
@@ -123,15 +137,24 @@ class _GraphBuilder:
         self.nodes: list[Node] = []
         self.constants: dict[str, np.ndarray] = {}
         self.raw_params: dict[str, dict] = {}
-        self.env: dict[Any, Any] = {}  # jaxpr Var -> ValueRef or scalar Literal
+        self.env: dict[Any, Any] = {}  # jaxpr Var -> ValueRef, scalar Literal, or a lazy control-flow value
         self.counts: dict[str, int] = {}
+        self.specs: dict[str, TensorSpec] = {}
+        self.index_cache: dict[tuple, Any] = {}  # (value name, index) -> value[index], shared by unrolled scans
+        self.unroll_depth = 0
 
     def add_input(self, var: Any, name: str, role: Role, source: str) -> None:
-        self.inputs.append(GraphInput(Value(name, _spec(var.aval, f"input {name}")), role, source))
+        spec = _spec(key_data_aval(var.aval, f"input {name}"), f"input {name}")
+        self.inputs.append(GraphInput(Value(name, spec), role, source))
+        self.specs[name] = spec
         self.env[var] = ValueRef(name)
 
     def constant(self, value: Any) -> Any:
         """A closed-over constant: a literal argument if scalar, else a constant input."""
+        if is_key(value):
+            import jax
+
+            value = jax.random.key_data(value)
         array = np.asarray(value)
         if array.ndim == 0:
             return encode_scalar(array, array.dtype)
@@ -141,18 +164,61 @@ class _GraphBuilder:
         """A constant graph input holding ``array`` (its value lives in ``JaxStep.constants``)."""
         name = f"const{len(self.constants)}"
         self.constants[name] = array
-        self.inputs.append(GraphInput(Value(name, _spec(array, f"constant {name}")), Role.CONSTANT, name))
+        spec = _spec(array, f"constant {name}")
+        self.inputs.append(GraphInput(Value(name, spec), Role.CONSTANT, name))
+        self.specs[name] = spec
         return ValueRef(name)
 
-    def read(self, atom: Any) -> Any:
+    def read_raw(self, atom: Any) -> Any:
+        """What a jaxpr atom stands for; may be a lazy control-flow value (see :mod:`.control_flow`)."""
         from jax.extend.core import Literal as JaxprLiteral
 
         if isinstance(atom, JaxprLiteral):
             return self.constant(np.asarray(atom.val, dtype=atom.aval.dtype))
         return self.env[atom]
 
+    def resolve(self, arg: Any) -> Any:
+        """A ValueRef or scalar Literal for ``arg``, emitting the nodes of a lazy value."""
+        while hasattr(arg, "materialize"):
+            arg = arg.materialize(self)
+        return arg
+
+    def read(self, atom: Any) -> Any:
+        return self.resolve(self.read_raw(atom))
+
+    def physical_aval(self, aval: Any) -> Any:
+        """The aval a graph value of jaxpr aval ``aval`` has (typed keys become their key data)."""
+        return key_data_aval(aval)
+
+    def aval_of(self, arg: Any) -> Any:
+        """A ``ShapeDtypeStruct`` for a resolved argument."""
+        import jax
+
+        if isinstance(arg, ValueRef):
+            spec = self.specs[arg.name]
+            return jax.ShapeDtypeStruct(spec.shape, np.dtype(spec.dtype) if spec.dtype != "bfloat16" else jax.numpy.bfloat16)
+        scalar = decode_scalar(arg)
+        return jax.ShapeDtypeStruct(scalar.shape, scalar.dtype)
+
+    def trace_inline(self, function: Any, args: Sequence[Any]) -> list[Any]:
+        """Trace ``function(*arrays) -> list`` on the avals of ``args`` and inline it on ``args``."""
+        import jax
+
+        args = [self.resolve(arg) for arg in args]
+        closed = jax.make_jaxpr(function)(*[self.aval_of(arg) for arg in args])
+        return self.inline(closed.jaxpr, args, closed.consts)
+
+    @contextlib.contextmanager
+    def unrolling(self) -> Any:
+        """Inside an unrolled loop body: equations on scalar literals fold to literals."""
+        self.unroll_depth += 1
+        try:
+            yield
+        finally:
+            self.unroll_depth -= 1
+
     def inline(self, jaxpr: Any, invars: Sequence[Any], consts: Sequence[Any], *, top: bool = False) -> list[Any]:
-        """Emit the nodes of ``jaxpr`` (with consts bound); returns its outputs as arguments."""
+        """Emit the nodes of ``jaxpr`` (with consts bound); returns its outputs as (possibly lazy) arguments."""
         for var, const in zip(jaxpr.constvars, consts):
             self.env[var] = self.constant(const)
         if not top:
@@ -162,21 +228,30 @@ class _GraphBuilder:
             name = eqn.primitive.name
             if name in INLINED:
                 self._inline_call(eqn)
+            elif name in CONTROL_FLOW:
+                CONTROL_FLOW[name](self, eqn)
+            elif touches_keys(eqn):
+                rewrite_key_equation(self, eqn)
+            elif name in UNINITIALIZED:
+                self._zeros(eqn)
             else:
                 self._emit(eqn)
-        return [self.read(var) for var in jaxpr.outvars]
+        return [self.read_raw(var) for var in jaxpr.outvars]
 
     def _inline_call(self, eqn: Any) -> None:
         body = _body_of(eqn)
         inner = body.jaxpr if hasattr(body, "consts") else body
         consts = body.consts if hasattr(body, "consts") else ()
-        operands = [self.read(var) for var in eqn.invars]
+        operands = [self.read_raw(var) for var in eqn.invars]
         results = self.inline(inner, operands, consts)
         for var, result in zip(eqn.outvars, results):
             self.env[var] = result
 
     def _emit(self, eqn: Any) -> None:
         primitive = eqn.primitive
+        args = tuple(self.read(var) for var in eqn.invars)
+        if self.unroll_depth and self._fold(eqn, args):
+            return
         register_primitive(primitive)
         base = primitive.name.replace("-", "_")
         index = self.counts.get(base, 0)
@@ -184,7 +259,6 @@ class _GraphBuilder:
         node_name = base if index == 0 else f"{base}_{index}"
         where = f"equation {node_name} ({primitive.name})"
         _check_supported(eqn, where)
-        args = tuple(self.read(var) for var in eqn.invars)
         kwargs = encode_params(primitive.name, eqn.params, where)
         if len(eqn.outvars) == 1:
             names = [node_name]
@@ -194,8 +268,35 @@ class _GraphBuilder:
         node = Node(node_name, MetaOp(op_target(primitive), op_tags(primitive)), args, kwargs, outputs)
         self._keep_raw_params(node, eqn)
         self.nodes.append(node)
-        for var, out_name in zip(eqn.outvars, names):
-            self.env[var] = ValueRef(out_name)
+        for var, value in zip(eqn.outvars, outputs):
+            self.env[var] = ValueRef(value.name)
+            self.specs[value.name] = value.spec
+
+    def _zeros(self, eqn: Any) -> None:
+        """Uninitialized memory (``empty2``: the residual of a ``cond`` branch not taken) is zeros here."""
+        import jax.numpy as jnp
+
+        for var in eqn.outvars:
+            aval = var.aval
+            if aval.shape == ():
+                self.env[var] = encode_scalar(np.zeros((), aval.dtype), aval.dtype)
+            else:
+                (self.env[var],) = self.trace_inline(lambda: [jnp.zeros(aval.shape, aval.dtype)], [])
+
+    def _fold(self, eqn: Any, args: tuple) -> bool:
+        """Fold an equation on scalar literals into literal results (inside unrolled loops); False if it cannot."""
+        if (eqn.primitive.name in RANDOM_PRIMITIVES or eqn.effects or not args
+                or not all(isinstance(arg, Literal) and arg.kind == SCALAR_KIND for arg in args)
+                or not all(getattr(var.aval, "shape", None) == () for var in eqn.outvars)):
+            return False
+        import jax
+
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            results = eqn.primitive.bind(*[decode_scalar(arg) for arg in args], **eqn.params)
+        results = results if eqn.primitive.multiple_results else [results]
+        for var, result in zip(eqn.outvars, results):
+            self.env[var] = encode_scalar(np.asarray(result), var.aval.dtype)
+        return True
 
     def _keep_raw_params(self, node: Node, eqn: Any) -> None:
         """Keep the equation params where decoding the node's kwargs does not give them back."""
@@ -206,6 +307,7 @@ class _GraphBuilder:
             self.raw_params[node.name] = dict(eqn.params)
 
     def finish(self, outvars: list[Any], input_sources: list[str], name: str) -> Graph:
+        outvars = [self.resolve(arg) for arg in outvars]
         state_inputs = [graph_input for graph_input in self.inputs if graph_input.role is not Role.CONSTANT]
         state_inputs = [graph_input for graph_input in state_inputs if graph_input.role is not Role.BATCH]
         outputs = [GraphOutput(self._output_name(outvars[0]), Role.LOSS, source="loss")]
@@ -237,11 +339,13 @@ def _check_supported(eqn: Any, where: str) -> None:
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
     for key, value in eqn.params.items():
-        if isinstance(value, (Jaxpr, ClosedJaxpr)) and key not in ("update_jaxpr",):
+        nested = isinstance(value, (Jaxpr, ClosedJaxpr)) or (
+            isinstance(value, tuple) and any(isinstance(item, (Jaxpr, ClosedJaxpr)) for item in value))
+        if nested and key not in ("update_jaxpr",):
             raise JaxCaptureError(
-                f"{where} carries a nested jaxpr ({key}): control flow such as scan, cond and while_loop is not "
-                "supported by the JAX frontend yet. Unroll the loop in Python (a for loop over layers), or use "
-                "jnp.where instead of lax.cond"
+                f"{where} carries a nested jaxpr ({key}), which the JAX frontend cannot flatten: it expands "
+                f"{', '.join(sorted(CONTROL_FLOW))} and inlines {', '.join(sorted(INLINED))}, and nothing else. "
+                "Rewrite this part of the step with those (e.g. a Python for loop or lax.scan)"
             )
 
 

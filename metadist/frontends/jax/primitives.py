@@ -17,7 +17,10 @@ __all__ = ["PREFIX", "op_target", "op_tags", "resolve_primitive"]
 PREFIX = "jax.lax."
 
 #: Primitives that draw random numbers (their results depend on a key, not only on values).
-RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_split", "random_fold_in", "threefry2x32",
+#: ``threefry2x32`` is not one: it is a deterministic hash of its operands (keys and counters), so
+#: ShardCombine checks its rule by execution like any elementwise op's. The typed-key primitives
+#: (``random_bits``...) never reach a graph: the capture rewrites them onto key data (:mod:`.keys`).
+RANDOM_PRIMITIVES = frozenset({"random_bits", "random_seed", "random_split", "random_fold_in",
                                "rng_uniform", "rng_bit_generator"})
 
 
@@ -34,16 +37,31 @@ def op_tags(primitive: Any) -> frozenset[str]:
 @functools.lru_cache(maxsize=None)
 def _registry() -> dict[str, Any]:
     import jax.extend.core
+    import jax.extend.random
     from jax import lax
     from jax.extend.core import Primitive
 
     found: dict[str, Any] = {}
-    for module in (jax.extend.core.primitives, lax):
+    for module in (jax.extend.core.primitives, lax, jax.extend.random):
         for attr in dir(module):
             value = getattr(module, attr, None)
             if isinstance(value, Primitive):
                 found.setdefault(value.name, value)
+    for primitive in _key_data_primitives():
+        found.setdefault(primitive.name, primitive)
     return found
+
+
+def _key_data_primitives() -> list[Any]:
+    """Primitives of the threefry key-data functions (``iota_2x32_shape``), which no public module exports."""
+    import jax
+    import jax.extend.random
+    import numpy as np
+
+    impl = jax.extend.random.threefry_prng_impl
+    closed = jax.make_jaxpr(lambda data: impl.random_bits(data, bit_width=32, shape=(2,)))(
+        jax.ShapeDtypeStruct((2,), np.uint32))
+    return [eqn.primitive for eqn in closed.jaxpr.eqns]
 
 
 def resolve_primitive(target: str) -> Any:
