@@ -64,12 +64,18 @@ def _mlp_graph():
 def test_rank_program_is_an_fx_graph_module_with_collectives():
     step = _mlp_graph()
     plan = greedy_plan(step.graph, Mesh((2,)), {"batch.inputs": "(S(0))", "batch.targets": "(S(0))"})
-    program = lower(step.graph, plan, (0,))
+    program = lower(step.graph, plan, (0,), bucket_cap_bytes=0)
     module = build_rank_module(program, Collectives(("g0",), (2,)))
     assert isinstance(module, torch.fx.GraphModule)
     methods = {node.target for node in module.graph.nodes if node.op == "call_method"}
     assert methods == {"all_gather", "all_reduce"}
     assert "comm.all_reduce" in module.code or "all_reduce(" in module.code
+    # coalesced (the default): the gradients' all-reduces become one call on a list of tensors
+    module = build_rank_module(lower(step.graph, plan, (0,)), Collectives(("g0",), (2,)))
+    calls = [node for node in module.graph.nodes if node.op == "call_method"]
+    assert {node.target for node in calls} == {"all_gather", "coalesced_all_reduce"}
+    (bucket,) = [node for node in calls if node.target == "coalesced_all_reduce"]
+    assert len(bucket.args[1]) == 6, "the MLP's six gradients share one all-reduce"
 
 
 def test_replicated_rank_program_reproduces_the_single_device_step():

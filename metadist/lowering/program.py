@@ -26,7 +26,8 @@ from .reshard import COLLECTIVE_KINDS, ReshardStep, plan_resharding
 from .rewrite import NodeContext, rewrite_node_args
 from .shapes import local_shape, mesh_coordinates
 
-__all__ = ["LocalOp", "RandomDraw", "Reshard", "ProgramInput", "ProgramOutput", "RankProgram", "lower", "lower_for_rank"]
+__all__ = ["LocalOp", "RandomDraw", "Reshard", "BucketMember", "CoalescedReshard", "ProgramInput", "ProgramOutput", "RankProgram",
+           "lower", "lower_for_rank"]
 
 #: Random ops whose first tensor argument gives only a shape (its values are not read).
 SHAPE_ONLY_RANDOM_OPS = frozenset({
@@ -79,7 +80,61 @@ class Reshard:
         return sum(step.comm_bytes for step in self.steps)
 
 
-Instruction = Union[LocalOp, Reshard]
+@dataclass(frozen=True)
+class BucketMember:
+    """One value of a coalesced collective: ``target`` is ``source`` after ``pre``, the collective, ``post``."""
+
+    source: str
+    target: str
+    spec: TensorSpec
+    source_sharding: tuple
+    target_sharding: tuple
+    pre: tuple[ReshardStep, ...]
+    collective: ReshardStep
+    post: tuple[ReshardStep, ...]
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.collective.comm_bytes
+
+    @property
+    def steps(self) -> tuple[ReshardStep, ...]:
+        return (*self.pre, self.collective, *self.post)
+
+
+@dataclass(frozen=True)
+class CoalescedReshard:
+    """Several reshards whose collectives run as one ``kind`` collective on mesh ``axis``."""
+
+    kind: str
+    axis: int
+    op: str | None
+    dtype: str
+    members: tuple[BucketMember, ...]
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes this rank sends: the members' bytes, each by the ring convention of its own buffer."""
+        return sum(member.comm_bytes for member in self.members)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(buffer_bytes(member.collective, member.spec.itemsize) for member in self.members)
+
+
+def buffer_bytes(step: ReshardStep, itemsize: int) -> int:
+    """The larger of a collective's local input and output, in bytes (what a bucket holds of it)."""
+    return max(_numel(step.local_shape_in), _numel(step.local_shape_out)) * itemsize
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+Instruction = Union[LocalOp, Reshard, CoalescedReshard]
 
 
 @dataclass(frozen=True)
@@ -113,17 +168,34 @@ class RankProgram:
     instructions: tuple[Instruction, ...]
     outputs: tuple[ProgramOutput, ...]
 
-    def reshards(self) -> tuple[Reshard, ...]:
-        return tuple(item for item in self.instructions if isinstance(item, Reshard))
+    def reshards(self) -> tuple[Reshard | BucketMember, ...]:
+        """Every resharded value: plain reshards and the members of coalesced ones, in program order."""
+        result: list[Reshard | BucketMember] = []
+        for item in self.instructions:
+            if isinstance(item, Reshard):
+                result.append(item)
+            elif isinstance(item, CoalescedReshard):
+                result.extend(item.members)
+        return tuple(result)
 
     def predicted_comm(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """Per (collective kind, mesh axis): (number of collectives, bytes this rank sends)."""
+        """Per (collective kind, mesh axis): (number of collective calls, bytes this rank sends).
+
+        A coalesced reshard is one call; its bytes are its members' (each by the ring convention).
+        """
         totals: dict[tuple[str, int], tuple[int, int]] = {}
-        for reshard in self.reshards():
-            for step in reshard.steps:
-                if step.kind in COLLECTIVE_KINDS:
-                    count, nbytes = totals.get((step.kind, step.axis), (0, 0))
-                    totals[(step.kind, step.axis)] = (count + 1, nbytes + step.comm_bytes)
+
+        def add(kind: str, axis: int, nbytes: int) -> None:
+            count, total = totals.get((kind, axis), (0, 0))
+            totals[(kind, axis)] = (count + 1, total + nbytes)
+
+        for item in self.instructions:
+            if isinstance(item, CoalescedReshard):
+                add(item.kind, item.axis, item.comm_bytes)
+            elif isinstance(item, Reshard):
+                for step in item.steps:
+                    if step.kind in COLLECTIVE_KINDS:
+                        add(step.kind, step.axis, step.comm_bytes)
         return totals
 
     def to_text(self) -> str:
@@ -134,26 +206,41 @@ class RankProgram:
                 steps = "; ".join(str(step) for step in item.steps) or "(no steps)"
                 lines.append(f"  %{item.target} = reshard %{item.source} {format_sharding(item.source_sharding)} -> "
                              f"{format_sharding(item.target_sharding)}: {steps}")
+            elif isinstance(item, CoalescedReshard):
+                detail = f", {item.op}" if item.op else ""
+                lines.append(f"  coalesced {item.kind}(axis {item.axis}{detail}) {item.dtype} of {len(item.members)}:")
+                for member in item.members:
+                    steps = "; ".join(str(step) for step in member.steps)
+                    lines.append(f"    %{member.target} = %{member.source} {format_sharding(member.source_sharding)} -> "
+                                 f"{format_sharding(member.target_sharding)}: {steps}")
             else:
                 lines.append(f"  {', '.join(f'%{o}' for o in item.outputs if o)} = {item.target}  {item.output_local_shapes}")
         lines += [f"  out %{o.value} {format_sharding(o.sharding)}" for o in self.outputs]
         return "\n".join(lines) + "\n"
 
 
-def lower_for_rank(graph: Graph, plan: Plan, rank: int) -> RankProgram:
+def lower_for_rank(graph: Graph, plan: Plan, rank: int, *, bucket_cap_bytes: int | None = None) -> RankProgram:
     """:func:`lower` for the rank's coordinates on the plan's mesh."""
-    return lower(graph, plan, mesh_coordinates(plan.mesh, rank))
+    return lower(graph, plan, mesh_coordinates(plan.mesh, rank), bucket_cap_bytes=bucket_cap_bytes)
 
 
-def lower(graph: Graph, plan: Plan, coords: Sequence[int]) -> RankProgram:
-    """Lower ``plan`` for ``graph`` to the program of the rank at ``coords`` on the plan's mesh."""
+def lower(graph: Graph, plan: Plan, coords: Sequence[int], *, bucket_cap_bytes: int | None = None) -> RankProgram:
+    """Lower ``plan`` for ``graph`` to the program of the rank at ``coords`` on the plan's mesh.
+
+    Reshards are then coalesced into buckets of at most ``bucket_cap_bytes`` (None: the default,
+    :data:`~metadist.lowering.coalesce.DEFAULT_BUCKET_CAP_BYTES`; 0: one collective per reshard);
+    see :mod:`metadist.lowering.coalesce`.
+    """
+    from .coalesce import DEFAULT_BUCKET_CAP_BYTES, coalesce  # coalesce builds on this module's instructions
+
     _check_plan_covers(graph, plan)
     lowering = _Lowering(graph, plan, tuple(coords))
     inputs = lowering.inputs()
     for node in graph.nodes:
         lowering.node(node)
     outputs = lowering.outputs()
-    return RankProgram(graph.name, plan.mesh, tuple(coords), inputs, tuple(lowering.instructions), outputs)
+    program = RankProgram(graph.name, plan.mesh, tuple(coords), inputs, tuple(lowering.instructions), outputs)
+    return coalesce(program, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes)
 
 
 class _Lowering:

@@ -6,6 +6,14 @@ Each method runs one functional collective on the process group of one mesh
 axis (``DeviceMesh.get_group(axis)``, passed by name) and records the bytes
 this rank sends, by the ring convention of :mod:`metadist.lowering.reshard`,
 so that measured bytes can be compared with the plan's prediction.
+
+The ``coalesced_*`` methods run one collective for several tensors (a bucket of
+:mod:`metadist.lowering.coalesce`) through one flat buffer in a per-rank layout:
+segment ``r`` of the buffer holds, member after member, what rank ``r`` sends
+(all-gather) or receives (reduce-scatter), so that one ``all_gather_tensor`` /
+``reduce_scatter_tensor`` on dim 0 gives every member its own result along its own
+dim. They count one call, and each member's bytes by its own buffer, so that the
+bytes measured equal the sum the lowering predicts.
 """
 
 from __future__ import annotations
@@ -18,9 +26,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..lowering import ReshardStep, comm_bytes
+from ..lowering import CoalescedReshard, ReshardStep, comm_bytes
 
-__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps"]
+__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps", "run_coalesced"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,13 @@ class Collectives(torch.nn.Module):
         self.records.clear()
 
     def _record(self, kind: str, axis: int, bytes_in: int, bytes_out: int) -> None:
+        self._record_call(kind, axis, [(bytes_in, bytes_out)])
+
+    def _record_call(self, kind: str, axis: int, member_bytes: Sequence[tuple[int, int]]) -> None:
+        """One collective call; its bytes are the members', each by the ring convention of its own buffer."""
         key = (self.phase, kind, axis)
         old = self.records.get(key, CommRecord(0, 0))
-        sent = comm_bytes(kind, self.axis_sizes[axis], bytes_in, bytes_out)
+        sent = sum(comm_bytes(kind, self.axis_sizes[axis], bytes_in, bytes_out) for bytes_in, bytes_out in member_bytes)
         self.records[key] = CommRecord(old.count + 1, old.bytes + sent)
 
     def all_gather(self, tensor: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
@@ -88,6 +100,60 @@ class Collectives(torch.nn.Module):
         self._record("all_to_all", axis, _nbytes(tensor), _nbytes(out))
         return out
 
+    # -- coalesced: one collective for several tensors ------------------------------------------
+    def coalesced_all_reduce(self, tensors: Sequence[torch.Tensor], axis: int, op: str) -> list[torch.Tensor]:
+        """All-reduce every tensor with one collective on one flat buffer (the members' elements, in order)."""
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])  # (sum of numels,)
+        reduced = funcol.wait_tensor(funcol.all_reduce(flat, op, self.group_names[axis]))
+        out = [piece.view(tensor.shape) for piece, tensor in zip(reduced.split([t.numel() for t in tensors]), tensors)]
+        self._record_call("all_reduce", axis, [(_nbytes(t), _nbytes(t)) for t in tensors])
+        return out
+
+    def coalesced_all_gather(self, tensors: Sequence[torch.Tensor], axis: int, dims: Sequence[int]) -> list[torch.Tensor]:
+        """All-gather every tensor along its own dim with one collective.
+
+        Each rank sends its members' elements, flattened, one after another (N elements);
+        the gathered buffer is (k, N), row r from rank r. Member m's columns, viewed as
+        (k, *shape_m), hold the k pieces along a new leading dim; moving that dim next to
+        ``dims[m]`` and merging the two concatenates the pieces in rank order.
+        """
+        k = self.axis_sizes[axis]
+        numels = [tensor.numel() for tensor in tensors]
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])  # (N,)
+        gathered = funcol.wait_tensor(funcol.all_gather_single(flat, 0, self.group_names[axis])).view(k, -1)  # (k, N)
+        out, offset = [], 0
+        for tensor, numel, dim in zip(tensors, numels, dims):
+            shape = tuple(tensor.shape)
+            pieces = gathered[:, offset:offset + numel].reshape(k, *shape)  # (k, ..., n_dim, ...)
+            whole = shape[:dim] + (k * shape[dim],) + shape[dim + 1:]
+            out.append(pieces.movedim(0, dim).reshape(whole))  # (..., k * n_dim, ...)
+            offset += numel
+        self._record_call("all_gather", axis, [(_nbytes(t), _nbytes(o)) for t, o in zip(tensors, out)])
+        return out
+
+    def coalesced_reduce_scatter(self, tensors: Sequence[torch.Tensor], axis: int, op: str, dims: Sequence[int]) -> list[torch.Tensor]:
+        """Reduce-scatter every tensor along its own dim with one collective.
+
+        Member m is split along ``dims[m]`` into k pieces, each flattened: a (k, n_m) block whose
+        row r is what rank r keeps. The blocks side by side make a (k, N) buffer; its row r is
+        rank r's segment, so one reduce-scatter on dim 0 leaves each rank its reduced row,
+        which splits back into the members' pieces.
+        """
+        k = self.axis_sizes[axis]
+        blocks, shapes = [], []
+        for tensor, dim in zip(tensors, dims):
+            shape = tuple(tensor.shape)
+            piece_shape = shape[:dim] + (shape[dim] // k,) + shape[dim + 1:]
+            split = tensor.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:])  # (..., k, n_dim/k, ...)
+            blocks.append(split.movedim(dim, 0).reshape(k, -1))  # (k, n_m)
+            shapes.append(piece_shape)
+        buffer = torch.cat(blocks, dim=1).reshape(-1)  # (k * N,)
+        reduced = funcol.wait_tensor(funcol.reduce_scatter_single(buffer, op, 0, self.group_names[axis]))  # (N,)
+        sizes = [block.shape[1] for block in blocks]
+        out = [piece.view(shape) for piece, shape in zip(reduced.split(sizes), shapes)]
+        self._record_call("reduce_scatter", axis, [(_nbytes(t), _nbytes(o)) for t, o in zip(tensors, out)])
+        return out
+
 
 def local_slice(tensor: torch.Tensor, dim: int, coordinate: int, parts: int) -> torch.Tensor:
     """This rank's piece ``coordinate`` of ``parts`` along ``dim`` (a copy, so the whole can be freed)."""
@@ -105,6 +171,25 @@ def run_steps(comm: Collectives, tensor: torch.Tensor, steps: Sequence[ReshardSt
     for step in steps:
         tensor = apply_step(comm, tensor, step)
     return tensor
+
+
+def run_coalesced(comm: Collectives, tensors: Sequence[torch.Tensor], coalesced: CoalescedReshard) -> list[torch.Tensor]:
+    """Apply a coalesced reshard eagerly (outside a GraphModule): each member's local steps around one collective."""
+    before = [run_steps(comm, tensor, member.pre) for tensor, member in zip(tensors, coalesced.members)]
+    after = coalesced_collective(comm, before, coalesced)
+    return [run_steps(comm, tensor, member.post) for tensor, member in zip(after, coalesced.members)]
+
+
+def coalesced_collective(comm: Collectives, tensors: Sequence[torch.Tensor], coalesced: CoalescedReshard) -> list[torch.Tensor]:
+    """The shared collective of a coalesced reshard on the members' tensors (after their ``pre`` steps)."""
+    dims = [member.collective.dim for member in coalesced.members]
+    if coalesced.kind == "all_reduce":
+        return comm.coalesced_all_reduce(tensors, coalesced.axis, coalesced.op)
+    if coalesced.kind == "all_gather":
+        return comm.coalesced_all_gather(tensors, coalesced.axis, dims)
+    if coalesced.kind == "reduce_scatter":
+        return comm.coalesced_reduce_scatter(tensors, coalesced.axis, coalesced.op, dims)
+    raise ValueError(f"collective kind {coalesced.kind!r} does not coalesce")
 
 
 def apply_step(comm: Collectives, tensor: torch.Tensor, step: ReshardStep) -> torch.Tensor:

@@ -4,7 +4,9 @@ The module takes the rank's local input shards (graph input order) and
 returns the local output shards (graph output order). Local ops are
 ``call_function`` nodes on the same ATen operators; resharding steps are
 ``call_method`` nodes on the ``comm`` submodule (:class:`Collectives`) or
-``call_function`` nodes for local slices. Nothing in it is specific to CPU:
+``call_function`` nodes for local slices. A coalesced reshard is one
+``call_method`` node (``coalesced_all_reduce`` etc.) on the list of its members'
+tensors, read back with ``getitem``. Nothing in it is specific to CPU:
 ``torch.compile`` may be applied to it on GPUs.
 """
 
@@ -18,7 +20,7 @@ import torch.fx
 
 from ..frontends.torch.execute import materialize, resolve_op
 from ..ir import Shard
-from ..lowering import LocalOp, RankProgram, Reshard, ReshardStep
+from ..lowering import CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep
 from .collectives import Collectives, local_slice, zero_partial
 from .errors import LocalOpError
 
@@ -51,6 +53,8 @@ def build_rank_module(
             for step in instruction.steps:
                 node = _emit_step(graph, comm_node, node, step)
             env[instruction.target] = node
+        elif isinstance(instruction, CoalescedReshard):
+            _emit_coalesced(graph, comm_node, env, instruction)
         else:
             _emit_local_op(graph, env, instruction, program, device)
             for name in instruction.outputs:
@@ -59,6 +63,30 @@ def build_rank_module(
     graph.output(tuple(env[output.value] for output in program.outputs))
     graph.lint()
     return torch.fx.GraphModule(root, graph, class_name=f"Rank{'_'.join(map(str, program.coords))}Program")
+
+
+def _emit_coalesced(graph: torch.fx.Graph, comm: torch.fx.Node, env: dict, coalesced: CoalescedReshard) -> None:
+    """Members' ``pre`` steps, one collective on the list of their tensors, then each member's ``post`` steps."""
+    sources = []
+    for member in coalesced.members:
+        node = env[member.source]
+        for step in member.pre:
+            node = _emit_step(graph, comm, node, step)
+        sources.append(node)
+    dims = [member.collective.dim for member in coalesced.members]
+    if coalesced.kind == "all_reduce":
+        results = graph.call_method("coalesced_all_reduce", (comm, sources, coalesced.axis, coalesced.op))
+    elif coalesced.kind == "all_gather":
+        results = graph.call_method("coalesced_all_gather", (comm, sources, coalesced.axis, dims))
+    elif coalesced.kind == "reduce_scatter":
+        results = graph.call_method("coalesced_reduce_scatter", (comm, sources, coalesced.axis, coalesced.op, dims))
+    else:
+        raise ValueError(f"collective kind {coalesced.kind!r} does not coalesce")
+    for index, member in enumerate(coalesced.members):
+        node = graph.call_function(operator.getitem, (results, index))
+        for step in member.post:
+            node = _emit_step(graph, comm, node, step)
+        env[member.target] = node
 
 
 def _emit_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.Node, step: ReshardStep) -> torch.fx.Node:

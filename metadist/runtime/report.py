@@ -11,7 +11,7 @@ from rich.table import Table
 from ..cli.common import human_bytes
 from ..ir import format_sharding
 from ..ir.plan import Plan
-from ..lowering import RankProgram
+from ..lowering import CoalescedReshard, RankProgram
 
 __all__ = ["Reporter"]
 
@@ -41,7 +41,10 @@ class Reporter:
         )
         shardings = Counter(format_sharding(s) for s in plan.input_shardings.values())
         self.console.print("input shardings: " + ", ".join(f"{text} x{count}" for text, count in shardings.most_common()))
-        self.console.print(f"rank program: {len(program.instructions)} instructions, {len(program.reshards())} reshards")
+        calls = sum(count for count, _ in program.predicted_comm().values())
+        buckets = sum(1 for item in program.instructions if isinstance(item, CoalescedReshard))
+        self.console.print(f"rank program: {len(program.instructions)} instructions, {len(program.reshards())} reshards, "
+                           f"{calls} collective calls per step ({buckets} coalesced)")
         self.unruled(plan)
 
     def unruled(self, plan: Plan) -> None:

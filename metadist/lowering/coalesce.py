@@ -1,0 +1,179 @@
+"""Coalescing: run several reshards of a rank program as one collective (bucketing).
+
+A collective has a fixed cost whatever its size (a launch, a synchronisation, ring latencies);
+on gloo between CPU processes that cost dominates a small model's step. DDP and FSDP bucket
+gradients for that reason; :func:`coalesce` does the same for every resharding of a
+:class:`~metadist.lowering.program.RankProgram`.
+
+**Stages.** A :class:`Reshard` with several collectives (e.g. ``(S(0), S(0)) -> (R, R)``
+gathers on axis 1, then on axis 0) is first split into a chain of reshards with one collective
+each, through intermediate values named ``<target>.<stage>`` (the steps and their order are
+unchanged, so is what moves). Each stage is then a candidate on its own: the axis-1 gathers of
+many values can share one call, and their axis-0 gathers the next.
+
+**Candidates.** A :class:`Reshard` whose steps hold exactly one collective, of a kind in
+:data:`COALESCIBLE_KINDS`, and any number of local steps (``local_slice``, ``zero_partial``)
+before or after it; all-to-alls stay one call each. A member's local steps run on its own,
+before (``pre``) and after (``post``) the shared collective.
+
+**Key.** Members of one bucket share the collective's kind, mesh axis, reduce op and dtype;
+their dims may differ (the runtime packs a flat per-rank layout).
+
+**Rule** (always correct, the same on every rank). The instructions are walked in order. At a
+candidate that is not yet in a bucket, a bucket opens with it; later candidates of the same key,
+in program order, join it if their source is already defined at this point, until the bucket
+would pass ``bucket_cap_bytes``. The bucket runs where its first member stood, which is before
+the first instruction that reads any member's target (each member stood before its own first
+reader, and the first member stands before them all); every source is defined there. Members
+pulled forward are skipped where they stood. So a bucket is the reshards that *could* run now,
+taken in the order the program needs them: gradients all reduced at the first optimizer op
+form one bucket (as DDP's), a ZeRO-3 forward gathers the next ``bucket_cap_bytes`` of
+parameters at once (as FSDP's prefetch). The cap bounds the extra memory held: targets pulled
+forward hold at most ``bucket_cap_bytes`` per bucket before their readers run.
+
+Every rank computes the same buckets: the walk depends only on the instruction structure and
+on local sizes, which are equal on every rank (shards are even).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Iterator
+
+from ..ir import Partial, Replicate, Shard
+from .program import BucketMember, CoalescedReshard, Instruction, LocalOp, RankProgram, Reshard, buffer_bytes
+from .reshard import COLLECTIVE_KINDS, ReshardStep
+
+__all__ = ["COALESCIBLE_KINDS", "DEFAULT_BUCKET_CAP_BYTES", "coalesce", "coalescible_step", "split_stages"]
+
+#: Collective kinds that coalesce; all-to-all stays one call per value.
+COALESCIBLE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+"""Most bytes of local buffers in one bucket (DDP's default bucket, 25 MiB); 0 turns coalescing off."""
+
+
+def coalescible_step(steps: Iterable[ReshardStep]) -> int | None:
+    """Index of the one coalescible collective among ``steps`` when all others are local; else None."""
+    steps = tuple(steps)
+    collectives = [index for index, step in enumerate(steps) if step.kind in COLLECTIVE_KINDS]
+    if len(collectives) != 1 or steps[collectives[0]].kind not in COALESCIBLE_KINDS:
+        return None
+    return collectives[0]
+
+
+def coalesce(program: RankProgram, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> RankProgram:
+    """``program`` with its single-collective reshards run in buckets (see the module docstring).
+
+    ``bucket_cap_bytes`` <= 0 returns the program unchanged. A bucket of one stays a plain Reshard.
+    """
+    if bucket_cap_bytes <= 0:
+        return program
+    return replace(program, instructions=tuple(_bucketed(program, bucket_cap_bytes)))
+
+
+def split_stages(reshard: Reshard) -> tuple[Reshard, ...]:
+    """``reshard`` as a chain of reshards with at most one collective each (itself if it has one or none).
+
+    Local steps before the first collective go with it; local steps after a collective go with it.
+    """
+    cuts = [index for index, step in enumerate(reshard.steps) if step.kind in COLLECTIVE_KINDS]
+    if len(cuts) <= 1:
+        return (reshard,)
+    bounds = [0] + cuts[1:] + [len(reshard.steps)]
+    stages, source, sharding = [], reshard.source, tuple(reshard.source_sharding)
+    for number, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        steps = reshard.steps[start:end]
+        last = number == len(cuts) - 1
+        after = tuple(reshard.target_sharding) if last else _after(sharding, steps)
+        target = reshard.target if last else f"{reshard.target}.{number}"
+        stages.append(Reshard(source, target, reshard.spec, sharding, after, steps))
+        source, sharding = target, after
+    return tuple(stages)
+
+
+def _after(sharding: tuple, steps: Iterable[ReshardStep]) -> tuple:
+    """The sharding after ``steps`` (each sets the placement of its axis, as :mod:`.reshard` builds them)."""
+    current = list(sharding)
+    for step in steps:
+        if step.kind in ("all_gather", "all_reduce"):
+            current[step.axis] = Replicate()
+        elif step.kind in ("reduce_scatter", "local_slice"):
+            current[step.axis] = Shard(step.dim)
+        elif step.kind == "all_to_all":
+            current[step.axis] = Shard(step.split_dim)
+        elif step.kind == "zero_partial":
+            current[step.axis] = Partial("sum")
+        else:
+            raise ValueError(f"unknown resharding step kind {step.kind!r}")
+    return tuple(current)
+
+
+def _bucketed(program: RankProgram, cap: int) -> Iterator[Instruction]:
+    instructions = [stage for item in program.instructions
+                    for stage in (split_stages(item) if isinstance(item, Reshard) else (item,))]
+    members: dict[int, BucketMember] = {}
+    by_key: dict[tuple, list[int]] = {}
+    for index, item in enumerate(instructions):
+        if isinstance(item, Reshard):
+            member = _as_member(item)
+            if member is not None:
+                members[index] = member
+                by_key.setdefault(_key(member), []).append(index)
+    order = {index: position for same_key in by_key.values() for position, index in enumerate(same_key)}
+    defined = {program_input.name for program_input in program.inputs}
+    done: set[int] = set()
+    for index, item in enumerate(instructions):
+        if index in done:
+            continue
+        if index not in members:
+            yield item
+            defined.update(_defines(item))
+            continue
+        later = by_key[_key(members[index])][order[index] + 1:]
+        bucket = _fill(index, later, members, defined, done, cap)
+        done.update(bucket)
+        defined.update(members[i].target for i in bucket)
+        if len(bucket) == 1:
+            yield item
+            continue
+        first = members[bucket[0]]
+        yield CoalescedReshard(first.collective.kind, first.collective.axis, first.collective.op, first.spec.dtype,
+                               tuple(members[i] for i in bucket))
+
+
+def _fill(index: int, same_key_later: list[int], members: dict[int, BucketMember], defined: set[str], done: set[int],
+          cap: int) -> list[int]:
+    """The bucket opened at ``index``: it, then later same-key candidates whose sources are defined, up to ``cap``."""
+    member = members[index]
+    bucket, total = [index], buffer_bytes(member.collective, member.spec.itemsize)
+    for later in same_key_later:
+        if later in done or members[later].source not in defined:
+            continue
+        size = buffer_bytes(members[later].collective, members[later].spec.itemsize)
+        if total + size > cap:
+            break
+        bucket.append(later)
+        total += size
+    return bucket
+
+
+def _as_member(reshard: Reshard) -> BucketMember | None:
+    position = coalescible_step(reshard.steps)
+    if position is None:
+        return None
+    return BucketMember(reshard.source, reshard.target, reshard.spec, reshard.source_sharding, reshard.target_sharding,
+                        reshard.steps[:position], reshard.steps[position], reshard.steps[position + 1:])
+
+
+def _key(member: BucketMember) -> tuple:
+    step = member.collective
+    return (step.kind, step.axis, step.op, member.spec.dtype)
+
+
+def _defines(item: Instruction) -> tuple[str, ...]:
+    if isinstance(item, LocalOp):
+        return tuple(name for name in item.outputs if name is not None)
+    if isinstance(item, CoalescedReshard):
+        return tuple(member.target for member in item.members)
+    return (item.target,)
