@@ -43,6 +43,10 @@ def mm(m=8, k=16, n=4, dtype=F32):
     return aten("mm.default", (X, Y), [((m, k), dtype), ((k, n), dtype)], [((m, n), dtype)])
 
 
+def addmm(m=8, k=16, n=4):
+    return aten("addmm.default", (Z, X, Y), [((n,), F32), ((m, k), F32), ((k, n), F32)], [((m, n), F32)])
+
+
 def bmm(b=2, m=8, k=16, n=4):
     return aten("bmm.default", (X, Y), [((b, m, k), F32), ((b, k, n), F32)], [((b, m, n), F32)])
 
@@ -88,8 +92,8 @@ def test_torch_executor_implements_the_protocol():
         (mm(), "ab,bc->ac | b:sum | pass 0:sum 1:sum"),
         (mm(dtype="bfloat16"), "ab,bc->ac | b:sum | pass 0:sum 1:sum"),
         (bmm(), "abc,acd->abd | c:sum | pass 0:sum 1:sum"),
-        # addmm: the bias is added on every shard, so the k split is no sum (it would add it n times)
-        (aten("addmm.default", (Z, X, Y), [((4,), F32), ((8, 16), F32), ((16, 4), F32)], [((8, 4), F32)]), "a,b_,_a->ba | pass 0:max 0:min"),
+        # addmm: with the bias replicated the k split would add it n times; with the bias Partial(sum) it sums
+        (aten("addmm.default", (Z, X, Y), [((4,), F32), ((8, 16), F32), ((16, 4), F32)], [((8, 4), F32)]), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min"),
         (layer_norm(), "ab_,_,_->ab_,ab_,ab_ | pass 2:max 2:min"),
         (add_broadcast(), "abc,_bc->abc | pass 0:max 0:min 1:max 1:min"),
         (embedding(), "_a,bc->bca | pass 0:max 0:min 0:sum"),
@@ -179,6 +183,7 @@ def test_no_tensor_inputs_is_a_stated_reason():
 _CASES = {
     "mm": (mm, lambda s: dict(m=s[0], k=s[1], n=s[2])),
     "bmm": (bmm, lambda s: dict(b=s[0], m=s[1], k=s[2], n=s[3])),
+    "addmm": (addmm, lambda s: dict(m=s[0], k=s[1], n=s[2])),  # the k split with the bias Partial(sum)
     "layer_norm": (layer_norm, lambda s: dict(b=s[0], t=s[1], c=s[2])),
     "add_broadcast": (add_broadcast, lambda s: dict(b=s[0], t=s[1], c=s[2])),
     "embedding": (embedding, lambda s: dict(v=s[0], c=s[1], b=s[2], t=s[3])),

@@ -105,7 +105,10 @@ def strategy_from_choices(rule: Rule, choices: tuple[AxisChoice, ...]) -> NodeSt
             if choice.index >= len(rule.factors):
                 raise PlanError(f"choice {choice} names a factor the rule ({rule}) does not have")
             factor = rule.factors[choice.index]
-            in_place = [Replicate() if dim is None else Shard(dim) for dim in factor.inputs]
+            in_place = [
+                Shard(dim) if dim is not None else Partial(factor.partial_op) if index in factor.partial_inputs else Replicate()  # type: ignore[arg-type]
+                for index, dim in enumerate(factor.inputs)
+            ]
             out_place = []
             for combine in factor.outputs:
                 if combine is None:

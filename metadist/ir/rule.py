@@ -17,6 +17,17 @@ no factor sits), then the non-concat outputs and options after ``|``::
 
 ``pass`` lists the :class:`PartialPass` entries: a ``Partial(op)`` input that
 may pass through to ``Partial(op)`` outputs with every other input replicated.
+
+An **affine factor** is a reducing factor some of whose inputs that do not carry
+the factor's dim take part as ``Partial(op)`` (``op`` the factor's reduce op, only
+``sum`` is discovered) instead of replicated: each shard adds in its part of them.
+It is written ``letter:op+input`` (one ``+input`` per such input)::
+
+    a,bc,ca->ba | c:sum+0 | pass 0:max 0:min   # aten.addmm(bias, x, w): the k split, bias Partial(sum)
+
+Splitting ``k`` with the bias replicated would add the bias once per shard; with
+the bias as ``Partial(sum)`` (its value on one shard, zeros on the others, or any
+parts that add up to it) the shards' outputs add up to ``bias + x @ w``.
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ from typing import Any, Union
 
 from .placement import REDUCE_OPS
 
-RULE_FORMAT_VERSION = 1
+RULE_FORMAT_VERSION = 2
+"""Version of the stored form (:meth:`Rule.to_dict`); 2 added ``Factor.partial_inputs`` (affine factors)."""
 
 
 class RuleError(ValueError):
@@ -72,16 +84,43 @@ _NO_DIM = 1 << 30
 
 @dataclass(frozen=True)
 class Factor:
-    """One way to split the op: the dim per input (or None) and the recombination per output."""
+    """One way to split the op: the dim per input (or None) and the recombination per output.
+
+    ``partial_inputs`` makes the factor affine: those inputs (which carry no dim of the
+    factor) are ``Partial(op)`` rather than replicated, ``op`` being the one reduce op of
+    every output (:attr:`partial_op`).
+    """
 
     inputs: tuple[int | None, ...]
     outputs: tuple[Combine | None, ...]
+    partial_inputs: tuple[int, ...] = ()
+    """Inputs that enter as ``Partial(op)`` (each shard holds a part, the parts reduce to the value)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "partial_inputs", tuple(sorted(set(self.partial_inputs))))
         if all(dim is None for dim in self.inputs):
             raise RuleError("a factor must split at least one input")
+        if self.partial_inputs:
+            for index in self.partial_inputs:
+                if not 0 <= index < len(self.inputs) or self.inputs[index] is not None:
+                    raise RuleError(
+                        f"factor {self}: partial input {index} must be an input that does not carry the factor's dim"
+                    )
+            ops = {out.op if isinstance(out, Reduce) else None for out in self.outputs if out is not None}
+            if len(ops) != 1 or None in ops:
+                raise RuleError(
+                    f"factor {self} has Partial inputs {list(self.partial_inputs)}, so every output must reduce "
+                    "with one op (Reduce(sum), ...)"
+                )
+
+    @property
+    def partial_op(self) -> str | None:
+        """The reduce op of the ``partial_inputs`` (None when the factor has none)."""
+        if not self.partial_inputs:
+            return None
+        return next(out.op for out in self.outputs if isinstance(out, Reduce))
 
     def size(self, input_shapes: tuple[tuple[int, ...], ...]) -> int:
         """The extent of the split: the size of the dims this factor occupies (they agree)."""
@@ -95,6 +134,7 @@ class Factor:
         return (
             tuple(_NO_DIM if dim is None else dim for dim in self.inputs),
             tuple(_combine_key(out) for out in self.outputs),
+            self.partial_inputs,
         )
 
 
@@ -177,7 +217,7 @@ class Rule:
             if len(kinds) > 1:
                 return self._verbose()
             if kinds:
-                extras.append(f"{letter}:{kinds.pop()}")
+                extras.append(f"{letter}:{kinds.pop()}" + "".join(f"+{index}" for index in factor.partial_inputs))
         text = ",".join(inputs) + "->" + ",".join(outputs)
         if extras:
             text += " | " + " ".join(extras)
@@ -200,10 +240,7 @@ class Rule:
         return {
             "input_ranks": list(self.input_ranks),
             "output_ranks": list(self.output_ranks),
-            "factors": [
-                {"inputs": list(factor.inputs), "outputs": [_combine_to_json(out) for out in factor.outputs]}
-                for factor in self.factors
-            ],
+            "factors": [_factor_to_json(factor) for factor in self.factors],
             "partial_passes": [{"input": p.input, "op": p.op} for p in self.partial_passes],
         }
 
@@ -213,7 +250,11 @@ class Rule:
             input_ranks=tuple(data["input_ranks"]),
             output_ranks=tuple(data["output_ranks"]),
             factors=tuple(
-                Factor(tuple(item["inputs"]), tuple(_combine_from_json(out) for out in item["outputs"]))
+                Factor(
+                    tuple(item["inputs"]),
+                    tuple(_combine_from_json(out) for out in item["outputs"]),
+                    tuple(item.get("partial_inputs", ())),
+                )
                 for item in data["factors"]
             ),
             partial_passes=tuple(PartialPass(item["input"], item["op"]) for item in data.get("partial_passes", ())),
@@ -254,6 +295,13 @@ def _combine_key(out: Combine | None) -> tuple:
     return (3,)
 
 
+def _factor_to_json(factor: Factor) -> dict[str, Any]:
+    data: dict[str, Any] = {"inputs": list(factor.inputs), "outputs": [_combine_to_json(out) for out in factor.outputs]}
+    if factor.partial_inputs:
+        data["partial_inputs"] = list(factor.partial_inputs)
+    return data
+
+
 def _combine_to_json(out: Combine | None) -> Any:
     if out is None:
         return None
@@ -276,7 +324,9 @@ def _combine_from_json(data: Any) -> Combine | None:
     raise RuleError(f"unknown output combination {data!r}")
 
 
-_OPTION_RE = re.compile(r"^([A-Za-z]):(sum|max|min|id|(?:chunk=\d+|halo=\d+)(?:,(?:chunk=\d+|halo=\d+))*)$")
+_OPTION_RE = re.compile(
+    r"^([A-Za-z]):(sum|max|min|id|(?:chunk=\d+|halo=\d+)(?:,(?:chunk=\d+|halo=\d+))*)((?:\+\d+)*)$"
+)
 
 
 def parse_rule(text: str) -> Rule:
@@ -288,6 +338,7 @@ def parse_rule(text: str) -> Rule:
     input_specs = lhs.split(",")  # "" is one rank-0 tensor
     output_specs = rhs.split(",")
     options: dict[str, str] = {}
+    partial_inputs: dict[str, tuple[int, ...]] = {}
     passes: list[PartialPass] = []
     for section in sections[1:]:
         if section.startswith("pass"):
@@ -300,6 +351,10 @@ def parse_rule(text: str) -> Rule:
             if not match:
                 raise RuleError(f"cannot parse rule option {item!r} in {text!r}")
             options[match.group(1)] = match.group(2)
+            if match.group(3):
+                if match.group(2) not in ("sum", "max", "min"):
+                    raise RuleError(f"rule option {item!r} in {text!r}: only a reducing factor (:sum/:max/:min) has Partial inputs")
+                partial_inputs[match.group(1)] = tuple(int(index) for index in match.group(3).split("+")[1:])
     letters = sorted(
         {ch for spec in input_specs for ch in spec if ch.isalpha()},
         key=lambda ch: (string.ascii_letters.index(ch)),
@@ -325,7 +380,9 @@ def parse_rule(text: str) -> Rule:
                 outputs.append(Identity())
             else:
                 raise RuleError(f"factor {letter!r} of {text!r} is missing from an output and has no :sum/:max/:min/:id")
-        factors.append(Factor(inputs, tuple(outputs)))
+        factors.append(Factor(inputs, tuple(outputs), partial_inputs.pop(letter, ())))
+    if partial_inputs:
+        raise RuleError(f"rule {text!r} gives Partial inputs to factors it does not have: {sorted(partial_inputs)}")
     return Rule(
         input_ranks=tuple(len(spec) for spec in input_specs),
         output_ranks=tuple(None if spec == "-" else len(spec) for spec in output_specs),

@@ -165,7 +165,8 @@ class _progress:
 
 #: Bumped whenever discovery changes what it accepts (new soundness checks, new derived rules), so
 #: that rules found by an older discovery are not served from the database: they are found again.
-DISCOVERY_VERSION = 2
+DISCOVERY_VERSION = 3
+"""3: affine factors (``addmm``'s ``k`` with the bias ``Partial(sum)``)."""
 
 
 def _version_key(executor: OpExecutor) -> str:

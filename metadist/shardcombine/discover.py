@@ -14,6 +14,9 @@ For one op call, :func:`discover`
    the op allows it), runs the op on each piece, and infers how every output
    recombines (:mod:`.combine`). A candidate becomes a :class:`Factor` only if
    the same recombination holds for every draw and every shard count;
+   A candidate that fails only because some unsplit (replicated) inputs are
+   added in once per shard gets a second chance as an *affine* factor: those
+   inputs are given as ``Partial(sum)`` pieces instead (:func:`_affine_factor`);
 5. finds the :class:`PartialPass` entries: an input whose value is split into
    random parts that add up to it (``sum``), or whose elementwise max/min is it
    (``max``/``min``), passes through if the outputs on the parts reduce to the
@@ -33,7 +36,7 @@ from typing import ContextManager, Sequence
 
 import numpy as np
 
-from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Rule
+from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Reduce, Rule
 from .combine import check_combine, close, infer_combine, tolerance_for
 from .executor import ExecutionRefused, OpCall, OpExecutor
 from .shapes import piece_sizes, standin_reshape, standin_shapes
@@ -170,7 +173,8 @@ def prune_dominated(factors: Sequence[Factor]) -> list[Factor]:
     def subsumes(big: Factor, small: Factor) -> bool:
         same_dims = all(d is None or d == big.inputs[i] for i, d in enumerate(small.inputs))
         trivial = all(out is None or isinstance(out, Identity) for out in small.outputs)
-        return big != small and same_dims and (big.outputs == small.outputs or trivial)
+        same_partials = big.partial_inputs == small.partial_inputs
+        return big != small and same_dims and same_partials and (big.outputs == small.outputs or trivial)
 
     return [f for f in factors if not any(subsumes(other, f) for other in factors)]
 
@@ -265,7 +269,12 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 
 def _try_factor(call: OpCall, executor: OpExecutor, draws: list[_Draw], combo, config: DiscoveryConfig) -> Factor | None:
-    """The factor ``combo`` if every draw and shard count recombines, else None."""
+    """The factor ``combo`` if every draw and shard count recombines (plainly, else as an affine factor), else None."""
+    return _plain_factor(call, executor, draws, combo, config) or _affine_factor(call, executor, draws, combo, config)
+
+
+def _plain_factor(call: OpCall, executor: OpExecutor, draws: list[_Draw], combo, config: DiscoveryConfig) -> Factor | None:
+    """The factor ``combo`` with every unsplit input replicated, if every draw and shard count recombines."""
     dtypes = [None if value is None else value.spec.dtype for value in call.node.outputs]
     combines: list[Combine | None] | None = None
     for count in config.shard_counts:
@@ -288,8 +297,12 @@ def _try_factor(call: OpCall, executor: OpExecutor, draws: list[_Draw], combo, c
     return Factor(tuple(combo), tuple(combines or ()))
 
 
-def _run_pieces(call: OpCall, executor: OpExecutor, inputs, combo, count: int):
-    """Per output, the list of per-shard results; None if the op cannot run split this way."""
+def _run_pieces(call: OpCall, executor: OpExecutor, inputs, combo, count: int, parts=None):
+    """Per output, the list of per-shard results; None if the op cannot run split this way.
+
+    ``parts`` (input -> one array per shard) replaces unsplit inputs shard by shard.
+    """
+    parts = parts or {}
     size = next(inputs[i].shape[d] for i, d in enumerate(combo) if d is not None)
     for uneven in (True, False):
         sizes = piece_sizes(size, count, uneven)
@@ -300,6 +313,8 @@ def _run_pieces(call: OpCall, executor: OpExecutor, inputs, combo, count: int):
         try:
             for k in range(count):
                 piece = [x if d is None else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d) for x, d in zip(inputs, combo)]
+                for index, values in parts.items():
+                    piece[index] = values[k]
                 results.append(executor.run(call, piece))
         except ExecutionRefused:
             continue
@@ -308,6 +323,80 @@ def _run_pieces(call: OpCall, executor: OpExecutor, inputs, combo, count: int):
             continue
         return [list(outputs) for outputs in zip(*results)]
     return None
+
+
+# ----------------------------------------------------------------- affine factors
+
+#: At most this many unsplit inputs are considered as Partial(sum) candidates (their subsets are tried).
+MAX_AFFINE_INPUTS = 3
+
+#: The ways a Partial(sum) input is cut into per-shard parts; an affine factor must hold for all of them.
+AFFINE_SPLITS = ("zero", "random", "alternating")
+
+
+def _affine_factor(call: OpCall, executor: OpExecutor, draws: list[_Draw], combo, config: DiscoveryConfig) -> Factor | None:
+    """``combo`` with some unsplit floating inputs as ``Partial(sum)``, if that recombines with ``sum`` everywhere.
+
+    ``addmm(bias, x, w)`` split along ``k`` gives ``bias + x_k @ w_k`` per shard: summing adds
+    the bias once per shard. With the bias as ``Partial(sum)`` the shards' outputs add up to
+    the whole. The smallest set of such inputs that works is taken; it must hold for every
+    draw, every shard count and every way of cutting the inputs into parts
+    (:data:`AFFINE_SPLITS`: the value on shard 0 and zeros elsewhere, as the lowering's
+    ``Replicate -> Partial(sum)`` does; random parts; parts of alternating sign), with every
+    output recombining as ``Reduce(sum)``. Only ``sum``: a ``max``/``min`` analogue would need
+    the op to be monotone in the split dims too, which discovery does not establish.
+    """
+    outputs = [value for value in call.node.outputs if value is not None]
+    if not outputs or any(tolerance_for(value.spec.dtype).exact for value in outputs):
+        return None
+    unsplit = [i for i, d in enumerate(combo) if d is None and not tolerance_for(call.input_specs[i].dtype).exact]
+    if not unsplit or len(unsplit) > MAX_AFFINE_INPUTS:
+        return None
+    subsets = [s for size in range(1, len(unsplit) + 1) for s in itertools.combinations(unsplit, size)]
+    for subset in subsets:
+        if all(
+            _affine_holds(call, executor, draw, combo, subset, count, split, seed)
+            for split in AFFINE_SPLITS
+            for count in config.shard_counts
+            for seed, draw in enumerate(draws)
+        ):
+            outputs_combine = tuple(None if value is None else Reduce("sum") for value in call.node.outputs)
+            return Factor(tuple(combo), outputs_combine, subset)
+    return None
+
+
+def affine_parts(x: np.ndarray, count: int, split: str, rng: np.random.Generator) -> list[np.ndarray]:
+    """``count`` parts of ``x`` that add up to it: ``zero`` (x on part 0, zeros elsewhere), ``random``, ``alternating``.
+
+    Random and alternating parts are as large as the data (not as large as 1), so that the
+    tolerance of the sum stays tight on small-magnitude draws.
+    """
+    if split == "zero":
+        return [x] + [np.zeros_like(x) for _ in range(count - 1)]
+    magnitude = np.abs(x) + 0.25 * float(np.max(np.abs(x), initial=0.0))
+    if split == "random":
+        parts = [rng.normal(0.0, 1.0, x.shape) * magnitude for _ in range(count - 1)]
+    elif split == "alternating":
+        parts = [(1.0 if k % 2 == 0 else -1.0) * rng.uniform(0.5, 1.5, x.shape) * magnitude for k in range(count - 1)]
+    else:
+        raise ValueError(f"unknown split {split!r}: expected one of {AFFINE_SPLITS}")
+    parts = [p.astype(x.dtype) for p in parts]
+    return parts + [(x - sum(parts)).astype(x.dtype)]
+
+
+def _affine_holds(call: OpCall, executor: OpExecutor, draw: _Draw, combo, subset, count: int, split: str, seed: int) -> bool:
+    rng = np.random.default_rng([seed, count, AFFINE_SPLITS.index(split), *subset])
+    parts = {index: affine_parts(draw.inputs[index], count, split, rng) for index in subset}
+    per_output = _run_pieces(call, executor, draw.inputs, combo, count, parts)
+    if per_output is None:
+        return False
+    for pieces, whole, value in zip(per_output, draw.whole, call.node.outputs):
+        if value is None:
+            if whole is not None or any(p is not None for p in pieces):
+                return False
+        elif whole is None or any(p is None for p in pieces) or not check_combine(pieces, whole, Reduce("sum"), value.spec.dtype):
+            return False
+    return True
 
 
 # ----------------------------------------------------------------- partial passes

@@ -8,8 +8,9 @@
    a 1-D mesh of a single-process *fake* process group (nothing is launched, nothing is sent)
    and maps each strategy (input placements -> output placements) onto factor notation:
    ``Shard(d)`` inputs and ``Shard``/``Partial``/``Replicate`` outputs are one factor
-   (``Concat``/``Reduce``/``Identity``); a single ``Partial`` input with every other input
-   replicated is a partial pass. The comparison counts agreements, strategies only we find,
+   (``Concat``/``Reduce``/``Identity``); ``Partial(sum)`` inputs next to ``Shard`` inputs with
+   ``Partial(sum)`` outputs are an affine factor (addmm's ``k`` with the bias partial); a single
+   ``Partial`` input with every other input replicated is a partial pass. The comparison counts agreements, strategies only we find,
    and strategies only DTensor has, each with the reason when one is known (DTensor's
    strategy needs several ``Partial`` inputs at once, ``Partial(avg)``, a size-1 dim...).
 
@@ -236,7 +237,10 @@ def rule_strategies(rule: Rule) -> tuple[dict[Strategy, str], dict[Strategy, str
 
 
 def _factor_strategy(factor: Factor) -> tuple[Strategy, bool]:
-    inputs = tuple(REPLICATE if dim is None else f"S({dim})" for dim in factor.inputs)
+    inputs = tuple(
+        f"S({dim})" if dim is not None else f"P({factor.partial_op})" if index in factor.partial_inputs else REPLICATE
+        for index, dim in enumerate(factor.inputs)
+    )
     outputs: list[str | None] = []
     plain = True
     for out in factor.outputs:
@@ -493,14 +497,14 @@ def _dtensor_finding(strategy: Strategy, call: OpCall, rule: Rule, executor: OpE
 def _strategy_as_rule(strategy: Strategy, rule: Rule) -> Rule:
     """A one-factor (or one-pass) rule that says what a DTensor strategy says."""
     partial = strategy.partial_inputs
-    if partial:
+    if partial and all(not placement.startswith("S(") for placement in strategy.inputs):
         return Rule(rule.input_ranks, rule.output_ranks, (), (PartialPass(partial[0], strategy.inputs[partial[0]][2:-1]),))
-    inputs = tuple(None if placement == REPLICATE else int(placement[2:-1]) for placement in strategy.inputs)
+    inputs = tuple(None if placement == REPLICATE or placement.startswith("P(") else int(placement[2:-1]) for placement in strategy.inputs)
     outputs = tuple(
         None if out is None else Identity() if out == REPLICATE else Reduce(out[2:-1]) if out.startswith("P(") else Concat(int(out[2:-1]))
         for out in strategy.outputs
     )
-    return Rule(rule.input_ranks, rule.output_ranks, (Factor(inputs, outputs),))
+    return Rule(rule.input_ranks, rule.output_ranks, (Factor(inputs, outputs, partial),))
 
 
 def _align(strategy: Strategy, rule: Rule) -> Strategy:
@@ -528,13 +532,17 @@ def _dtensor_reason(strategy: Strategy, input_shapes: Sequence[tuple[int, ...]],
         return "uses a strided or special placement"
     partial = strategy.partial_inputs
     sharded = [index for index, placement in enumerate(strategy.inputs) if placement.startswith("S(")]
-    if len(partial) > 1:
+    if len(partial) > 1 and not sharded:
         return "needs several Partial inputs at once (a partial pass has one Partial input, the others replicated)"
     if partial and sharded:
-        return "mixes a Partial input with Shard inputs"
-    if partial and input_dtypes and not input_dtypes[partial[0]].startswith(("float", "bfloat", "complex")):
+        ops = {strategy.inputs[index] for index in partial} | {out for out in strategy.outputs if out is not None}
+        if ops != {"P(sum)"}:
+            return "mixes a Partial input with Shard inputs, not as an affine factor (Partial(sum) inputs and outputs only)"
+        if input_dtypes and any(not input_dtypes[index].startswith(("float", "bfloat", "complex")) for index in partial):
+            return "a Partial integer input (discovery looks for affine factors of floating inputs only)"
+    if partial and not sharded and input_dtypes and not input_dtypes[partial[0]].startswith(("float", "bfloat", "complex")):
         return "a Partial integer input (discovery looks for partial passes of floating inputs only)"
-    if partial:
+    if partial and not sharded:
         op = strategy.inputs[partial[0]]
         if any(out is not None and out != op for out in strategy.outputs):
             return f"a {op} input giving non-{op} outputs (not a pass-through)"
@@ -640,25 +648,44 @@ def _check_factor(call: OpCall, executor: OpExecutor, factor: Factor, inputs: Se
     shards = _shard_count(size)
     if shards is None:
         return ExecutionCheck(label, 0, None, 0.0, f"factor size {size} splits into no 2, 3 or 4 even pieces")
-    pieces = []
-    for shard in range(shards):
-        local = [x if dim is None else np.array_split(x, shards, axis=dim)[shard] for x, dim in zip(inputs, factor.inputs)]
-        try:
-            pieces.append(executor.run(call, local))
-        except ExecutionRefused as err:
-            return ExecutionCheck(label, shards, None, 0.0, f"the executor cannot express the op on a shard: {err}")
-        except Exception as err:  # the op rejects a shard although the rule says it runs there
-            return ExecutionCheck(label, shards, False, math.inf, f"the op fails on a shard: {type(err).__name__}: {str(err)[:100]}")
+    if any(inputs[index].dtype.kind != "f" for index in factor.partial_inputs):
+        return ExecutionCheck(label, shards, None, 0.0, "an affine factor with a non-floating Partial input: not re-checked")
     worst = 0.0
-    for index, (combine, expected) in enumerate(zip(factor.outputs, whole)):
-        if combine is None or expected is None:
-            continue
-        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
-        ok, error, detail = _recombines(combine, [piece[index] for piece in pieces], expected, dtype, _input_rtol(inputs))
-        worst = max(worst, error)
-        if not ok:
-            return ExecutionCheck(label, shards, False, error, f"output {index}: {detail}")
+    # An affine factor's Partial(sum) inputs are cut as the lowering cuts them (the value on shard 0,
+    # zeros elsewhere) and into random terms as large as the value (as a Partial producer would).
+    for cut in ("first shard", "random terms") if factor.partial_inputs else ("",):
+        terms = {index: _sum_terms(inputs[index], shards, cut, np.random.default_rng([index, shards])) for index in factor.partial_inputs}
+        pieces = []
+        for shard in range(shards):
+            local = [
+                terms[index][shard] if index in terms else x if dim is None else np.array_split(x, shards, axis=dim)[shard]
+                for index, (x, dim) in enumerate(zip(inputs, factor.inputs))
+            ]
+            try:
+                pieces.append(executor.run(call, local))
+            except ExecutionRefused as err:
+                return ExecutionCheck(label, shards, None, 0.0, f"the executor cannot express the op on a shard: {err}")
+            except Exception as err:  # the op rejects a shard although the rule says it runs there
+                return ExecutionCheck(label, shards, False, math.inf, f"the op fails on a shard: {type(err).__name__}: {str(err)[:100]}")
+        for index, (combine, expected) in enumerate(zip(factor.outputs, whole)):
+            if combine is None or expected is None:
+                continue
+            dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+            ok, error, detail = _recombines(combine, [piece[index] for piece in pieces], expected, dtype, _input_rtol(inputs))
+            worst = max(worst, error)
+            if not ok:
+                where = f" (Partial inputs as {cut})" if cut else ""
+                return ExecutionCheck(label, shards, False, error, f"output {index}{where}: {detail}")
     return ExecutionCheck(label, shards, True, worst)
+
+
+def _sum_terms(value: np.ndarray, shards: int, cut: str, rng: np.random.Generator) -> list[np.ndarray]:
+    """``shards`` terms adding up to ``value``: the value then zeros, or random terms as large as the value."""
+    if cut == "first shard":
+        return [value] + [np.zeros_like(value) for _ in range(shards - 1)]
+    magnitude = np.abs(value) + 0.1 * float(np.max(np.abs(value), initial=0.0))
+    terms = [(rng.standard_normal(value.shape) * magnitude).astype(value.dtype) for _ in range(shards - 1)]
+    return terms + [(value - sum(terms)).astype(value.dtype)]
 
 
 def _input_rtol(inputs: Sequence[np.ndarray]) -> float:

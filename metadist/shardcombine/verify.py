@@ -2,7 +2,9 @@
 
 :func:`check_factor` splits the inputs as a factor says, runs the op on the
 pieces, recombines the outputs as the factor says and compares with the op on
-the whole inputs; :func:`check_partial_pass` does the same for a
+the whole inputs (an affine factor's ``Partial(sum)`` inputs are cut into parts that
+add up to them, both the lowering's way, value on shard 0 and zeros elsewhere, and
+randomly); :func:`check_partial_pass` does the same for a
 :class:`PartialPass`. Both return a :class:`Mismatch` (what went wrong, the
 largest difference) or None.
 """
@@ -16,7 +18,7 @@ import numpy as np
 
 from ..ir.rule import Factor, PartialPass
 from .combine import check_combine, close, recombine
-from .discover import split_value
+from .discover import affine_parts, split_value
 from .executor import OpCall, OpExecutor
 from .shapes import piece_sizes
 
@@ -36,26 +38,46 @@ class Mismatch:
         return f"output {self.output}: {self.detail} (largest difference {self.max_abs_diff:.3g})"
 
 
-def split_inputs(inputs: Sequence[np.ndarray], factor: Factor, shards: int, uneven: bool = False) -> list[list[np.ndarray]]:
-    """The per-shard inputs of a factor: split where the factor sits, whole elsewhere."""
+def split_inputs(
+    inputs: Sequence[np.ndarray], factor: Factor, shards: int, uneven: bool = False, split: str = "zero", seed: int = 0
+) -> list[list[np.ndarray]]:
+    """The per-shard inputs of a factor: split where the factor sits, whole elsewhere.
+
+    An affine factor's ``partial_inputs`` are cut into ``shards`` parts that add up to them,
+    the ``split`` way (see :func:`.discover.affine_parts`: ``zero``, ``random``, ``alternating``).
+    """
+    rng = np.random.default_rng(seed)
+    parts = {index: affine_parts(np.asarray(inputs[index]), shards, split, rng) for index in factor.partial_inputs}
     size = factor.size(tuple(tuple(x.shape) for x in inputs))
     sizes = piece_sizes(size, shards, uneven)
     if sizes is None:
         raise ValueError(f"cannot split a dim of size {size} into {shards} pieces")
     bounds = np.cumsum([0] + sizes)
     return [
-        [x if d is None else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d) for x, d in zip(inputs, factor.inputs)]
+        [
+            parts[index][k] if index in parts else x if d is None else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d)
+            for index, (x, d) in enumerate(zip(inputs, factor.inputs))
+        ]
         for k in range(shards)
     ]
 
 
 def check_factor(
-    call: OpCall, executor: OpExecutor, factor: Factor, inputs: Sequence[np.ndarray], shards: int, uneven: bool = False
+    call: OpCall, executor: OpExecutor, factor: Factor, inputs: Sequence[np.ndarray], shards: int, uneven: bool = False,
+    seed: int = 0,
 ) -> Mismatch | None:
-    """Whether ``factor`` holds on ``inputs`` split ``shards`` ways."""
+    """Whether ``factor`` holds on ``inputs`` split ``shards`` ways (an affine factor: for every way to cut its partial inputs)."""
     whole = executor.run(call, inputs)
+    for split in ("zero", "random", "alternating") if factor.partial_inputs else ("zero",):
+        mismatch = _check_split(call, executor, factor, inputs, whole, shards, uneven, split, seed)
+        if mismatch is not None:
+            return mismatch
+    return None
+
+
+def _check_split(call, executor, factor, inputs, whole, shards, uneven, split, seed) -> Mismatch | None:
     try:
-        per_shard = [executor.run(call, piece) for piece in split_inputs(inputs, factor, shards, uneven)]
+        per_shard = [executor.run(call, piece) for piece in split_inputs(inputs, factor, shards, uneven, split, seed)]
     except Exception as err:  # the op does not run on the pieces: the rule fails here
         return Mismatch(-1, f"the op does not run on the pieces: {err}")
     for index, (want, combine) in enumerate(zip(whole, factor.outputs)):
@@ -66,7 +88,8 @@ def check_factor(
             continue
         dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
         if not check_combine(pieces, want, combine, dtype):
-            return Mismatch(index, f"pieces do not recombine with {combine}", _max_diff(pieces, want, combine))
+            cut = f" (partial inputs {list(factor.partial_inputs)} cut the {split} way)" if factor.partial_inputs else ""
+            return Mismatch(index, f"pieces do not recombine with {combine}{cut}", _max_diff(pieces, want, combine))
     return None
 
 
