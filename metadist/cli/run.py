@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nproc", type=int, default=None, help="number of processes (devices) to launch (PyTorch workloads)")
     parser.add_argument(
         "--devices", type=int, default=None,
-        help="JAX workloads: number of XLA devices (CPU devices here, through XLA_FLAGS); selects the JAX route",
+        help="JAX workloads: number of XLA devices (CPU devices here, through XLA_FLAGS); selects the JAX route. "
+        "With --nproc P > 1: devices per process, on P processes joined by jax.distributed",
     )
     parser.add_argument("--mesh", default="", help="mesh shape, e.g. 2x2 or dp=2,tp=2 (default: a 1-D mesh of --nproc)")
     parser.add_argument("--steps", type=int, default=3, help="training steps to run (default 3)")
@@ -88,12 +89,16 @@ def is_jax_route(args: argparse.Namespace) -> bool:
 
 
 def run_jax_route(args: argparse.Namespace) -> int:
-    """Plan a JAX workload and run it through XLA shardings on ``--devices`` devices."""
+    """Plan a JAX workload and run it through XLA shardings on ``--devices`` devices.
+
+    With ``--nproc P --devices D`` (P > 1) it runs on P processes of D CPU devices each
+    through ``jax.distributed`` (:mod:`metadist.frontends.jax.multihost`).
+    """
     devices = args.devices if args.devices is not None else (args.nproc or 8)
     if devices < 1:
         raise UsageError(f"--devices must be at least 1, got {devices}")
-    if args.nproc is not None and args.nproc != devices:
-        raise UsageError(f"--nproc {args.nproc} and --devices {devices} disagree; JAX workloads take --devices only")
+    if args.nproc is not None and args.devices is not None and args.nproc != 1:
+        return run_jax_multihost_route(args)
     from ..frontends.jax.cli_support import request_cpu_devices
 
     request_cpu_devices(devices)  # before anything imports jax, the user's model file included
@@ -106,6 +111,24 @@ def run_jax_route(args: argparse.Namespace) -> int:
     print(summary.to_text())
     if summary.check is not None and not summary.check.passed:
         print("metadist run: error: the sharded JAX run differs from the single-device run beyond tolerance", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_jax_multihost_route(args: argparse.Namespace) -> int:
+    """``--nproc P --devices D`` for a JAX workload: P local processes joined by jax.distributed."""
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    from ..frontends.jax.multihost import run_jax_multihost
+
+    baseline = None if args.plan == "solver" else args.plan
+    summary = run_jax_multihost(args.model, processes=args.nproc, local_devices=args.devices, mesh=args.mesh or None,
+                                check=args.check, cluster=args.cluster, baseline=baseline,
+                                rendezvous_timeout_s=args.timeout_s)
+    print(summary.to_text())
+    if summary.passed is False:
+        print("metadist run: error: the multi-process JAX run differs from the single-device run beyond tolerance",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -29,8 +29,8 @@ from ...ir.plan import Plan
 from .errors import JaxCaptureError
 from .execute import jit_graph
 
-__all__ = ["ShardedRun", "count_collectives", "jax_mesh", "partition_spec", "predicted_collectives", "run_sharded",
-           "sharded_step"]
+__all__ = ["ShardedRun", "count_collectives", "jax_mesh", "partition_spec", "place", "predicted_collectives",
+           "run_sharded", "sharded_step"]
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def run_sharded(graph: Graph, plan: Plan, inputs: Sequence[Any], *, raw_params: 
     import jax
 
     jitted, in_shardings = sharded_step(graph, plan, raw_params=raw_params, devices=devices)
-    placed = [jax.device_put(array, sharding) for array, sharding in zip(inputs, in_shardings)]
+    placed = [place(array, sharding) for array, sharding in zip(inputs, in_shardings)]
     started = time.perf_counter()
     compiled = jitted.lower(*placed).compile()
     compile_seconds = time.perf_counter() - started
@@ -153,6 +153,23 @@ def run_sharded(graph: Graph, plan: Plan, inputs: Sequence[Any], *, raw_params: 
     log.info("sharded %s on %s: compiled in %.2f s, ran in %.3f s; XLA collectives %s",
              graph.name, plan.mesh, compile_seconds, run_seconds, collectives)
     return ShardedRun(list(outputs), collectives, compile_seconds, run_seconds, constrained, partial)
+
+
+def place(array: Any, sharding: Any) -> Any:
+    """``array`` (the whole value, the same on every process) as a global array laid out as ``sharding``.
+
+    With several processes (``jax.distributed``) a sharding spans devices this process
+    cannot address: each process builds its own shards with ``jax.make_array_from_callback``.
+    """
+    import jax
+    import numpy as np
+
+    if sharding.is_fully_addressable:
+        return jax.device_put(array, sharding)
+    if isinstance(array, jax.Array) and array.sharding == sharding:
+        return array
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
