@@ -22,7 +22,6 @@ The recipe:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -141,7 +140,6 @@ class _GraphBuilder:
         self.counts: dict[str, int] = {}
         self.specs: dict[str, TensorSpec] = {}
         self.index_cache: dict[tuple, Any] = {}  # (value name, index) -> value[index], shared by unrolled scans
-        self.unroll_depth = 0
 
     def add_input(self, var: Any, name: str, role: Role, source: str) -> None:
         spec = _spec(key_data_aval(var.aval, f"input {name}"), f"input {name}")
@@ -208,15 +206,6 @@ class _GraphBuilder:
         closed = jax.make_jaxpr(function)(*[self.aval_of(arg) for arg in args])
         return self.inline(closed.jaxpr, args, closed.consts)
 
-    @contextlib.contextmanager
-    def unrolling(self) -> Any:
-        """Inside an unrolled loop body: equations on scalar literals fold to literals."""
-        self.unroll_depth += 1
-        try:
-            yield
-        finally:
-            self.unroll_depth -= 1
-
     def inline(self, jaxpr: Any, invars: Sequence[Any], consts: Sequence[Any], *, top: bool = False) -> list[Any]:
         """Emit the nodes of ``jaxpr`` (with consts bound); returns its outputs as (possibly lazy) arguments."""
         for var, const in zip(jaxpr.constvars, consts):
@@ -250,7 +239,7 @@ class _GraphBuilder:
     def _emit(self, eqn: Any) -> None:
         primitive = eqn.primitive
         args = tuple(self.read(var) for var in eqn.invars)
-        if self.unroll_depth and self._fold(eqn, args):
+        if self._fold(eqn, args):
             return
         register_primitive(primitive)
         base = primitive.name.replace("-", "_")
@@ -284,7 +273,11 @@ class _GraphBuilder:
                 (self.env[var],) = self.trace_inline(lambda: [jnp.zeros(aval.shape, aval.dtype)], [])
 
     def _fold(self, eqn: Any, args: tuple) -> bool:
-        """Fold an equation on scalar literals into literal results (inside unrolled loops); False if it cannot."""
+        """Fold an equation on scalar literals into literal results; False if it cannot.
+
+        Loop counters of unrolled scans and the indices computed from them become constants this way, so
+        a ``cond`` on them inlines one branch and indexing with them is static.
+        """
         if (eqn.primitive.name in RANDOM_PRIMITIVES or eqn.effects or not args
                 or not all(isinstance(arg, Literal) and arg.kind == SCALAR_KIND for arg in args)
                 or not all(getattr(var.aval, "shape", None) == () for var in eqn.outvars)):

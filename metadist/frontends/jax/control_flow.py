@@ -22,9 +22,10 @@ primitives the rest of the pipeline already knows:
   be unrolled into a static graph and is a :class:`JaxCaptureError` that says
   to use ``lax.scan`` or ``lax.fori_loop`` with Python int bounds.
 
-Inside unrolled bodies, equations whose operands are all scalar literals are
-folded to literals (the loop counter of a ``fori_loop``), so the unrolled
-copies index with constants.
+The capture folds equations whose operands are all scalar literals into
+literals (the loop counter of a ``fori_loop`` and what is computed from it),
+so the unrolled copies index with constants and a ``cond`` on the counter
+inlines one branch.
 """
 
 from __future__ import annotations
@@ -109,13 +110,12 @@ def unroll_scan(builder: "_GraphBuilder", eqn: Any) -> None:
     pieces: list[list[Any]] = [[None] * length for _ in ys_vars]
     order = range(length - 1, -1, -1) if params.get("reverse") else range(length)
     log.debug("unrolling a scan of length %d (%d equations in its body)", length, len(body.jaxpr.eqns))
-    with builder.unrolling():
-        for index in order:
-            inputs = consts + carry + [index_dim0(x, index) for x in xs]
-            results = builder.inline(body.jaxpr, inputs, body.consts)
-            carry = results[:num_carry]
-            for stack, piece in zip(pieces, results[num_carry:]):
-                stack[index] = piece
+    for index in order:
+        inputs = consts + carry + [index_dim0(x, index) for x in xs]
+        results = builder.inline(body.jaxpr, inputs, body.consts)
+        carry = results[:num_carry]
+        for stack, piece in zip(pieces, results[num_carry:]):
+            stack[index] = piece
     for var, final in zip(eqn.outvars[:num_carry], carry):
         builder.env[var] = final
     for var, stack in zip(ys_vars, pieces):
@@ -151,21 +151,20 @@ def unroll_while(builder: "_GraphBuilder", eqn: Any) -> None:
     operands = [builder.read_raw(var) for var in eqn.invars]
     cond_consts, body_consts = operands[:cond_count], operands[cond_count:cond_count + body_count]
     carry = operands[cond_count + body_count:]
-    with builder.unrolling():
-        for iteration in range(MAX_WHILE_ITERATIONS + 1):
-            (predicate,) = builder.inline(cond.jaxpr, cond_consts + carry, cond.consts)
-            predicate = builder.resolve(predicate)
-            if not isinstance(predicate, Literal):
-                raise _data_dependent_while(iteration)
-            if not bool(decode_scalar(predicate)):
-                break
-            if iteration == MAX_WHILE_ITERATIONS:
-                raise JaxCaptureError(
-                    f"a while_loop runs more than {MAX_WHILE_ITERATIONS} iterations; MetaDist unrolls loops into "
-                    "the graph, and a graph this long cannot be planned. Shorten the loop, or keep it outside the "
-                    "captured training step"
-                )
-            carry = builder.inline(body.jaxpr, body_consts + carry, body.consts)
+    for iteration in range(MAX_WHILE_ITERATIONS + 1):
+        (predicate,) = builder.inline(cond.jaxpr, cond_consts + carry, cond.consts)
+        predicate = builder.resolve(predicate)
+        if not isinstance(predicate, Literal):
+            raise _data_dependent_while(iteration)
+        if not bool(decode_scalar(predicate)):
+            break
+        if iteration == MAX_WHILE_ITERATIONS:
+            raise JaxCaptureError(
+                f"a while_loop runs more than {MAX_WHILE_ITERATIONS} iterations; MetaDist unrolls loops into "
+                "the graph, and a graph this long cannot be planned. Shorten the loop, or keep it outside the "
+                "captured training step"
+            )
+        carry = builder.inline(body.jaxpr, body_consts + carry, body.consts)
     for var, final in zip(eqn.outvars, carry):
         builder.env[var] = final
 

@@ -88,8 +88,13 @@ class JaxMultiHostSummary:
 
 def run_jax_multihost(spec: str, *, processes: int, local_devices: int, mesh: Mesh | str | None = None,
                       check: bool = True, db: Any = None, cluster: str | None = None, baseline: str | None = None,
-                      rendezvous_timeout_s: float = 120.0, run_timeout_s: float = 900.0) -> JaxMultiHostSummary:
-    """Plan ``spec`` (a JAX built-in name or model file) here, then run it on ``processes`` local processes."""
+                      plan: Any = None, rendezvous_timeout_s: float = 120.0,
+                      run_timeout_s: float = 900.0) -> JaxMultiHostSummary:
+    """Plan ``spec`` (a JAX built-in name or model file) here, then run it on ``processes`` local processes.
+
+    ``plan`` (a :class:`~metadist.ir.plan.Plan` for the step's graph) skips planning.
+    """
+    from ...workloads import load_workload
     from .cli_support import _mesh, plan_jax
 
     if processes < 2:
@@ -102,11 +107,18 @@ def run_jax_multihost(spec: str, *, processes: int, local_devices: int, mesh: Me
         raise JaxCaptureError(f"the mesh {mesh} has {mesh.size} devices, but {processes} processes x {local_devices} "
                               f"devices make {total}; pass a mesh of {total} devices")
     started = time.perf_counter()
-    planned = plan_jax(spec, mesh, db=db, cluster=cluster, baseline=baseline)
+    if plan is None:
+        planned = plan_jax(spec, mesh, db=db, cluster=cluster, baseline=baseline)
+        plan, name, plan_kind = planned.plan, planned.workload.name, baseline or "ilp"
+    else:
+        name, plan_kind = load_workload(spec).name, "given"
+        if plan.mesh.size != total:
+            raise JaxCaptureError(f"the given plan's mesh {plan.mesh} has {plan.mesh.size} devices, but {processes} "
+                                  f"processes x {local_devices} devices make {total}")
     planning_seconds = time.perf_counter() - started
     with tempfile.TemporaryDirectory(prefix="metadist-jax-multihost-") as folder:
         plan_path = Path(folder) / "plan.json"
-        plan_path.write_text(planned.plan.to_json())
+        plan_path.write_text(plan.to_json())
         coordinator = f"127.0.0.1:{_free_port()}"
         reports_paths = [Path(folder) / f"report{process}.json" for process in range(processes)]
         commands = [
@@ -120,8 +132,8 @@ def run_jax_multihost(spec: str, *, processes: int, local_devices: int, mesh: Me
         _run_all(commands, _worker_env(local_devices), run_timeout_s)
         wall_seconds = time.perf_counter() - started
         reports = tuple(json.loads(path.read_text()) for path in reports_paths)
-    summary = JaxMultiHostSummary(planned.workload.name or spec, planned.plan.mesh, processes, local_devices,
-                                  baseline or "ilp", planning_seconds, wall_seconds, reports)
+    summary = JaxMultiHostSummary(name or spec, plan.mesh, processes, local_devices, plan_kind, planning_seconds,
+                                  wall_seconds, reports)
     log.info("%s", summary.to_text())
     return summary
 
@@ -191,7 +203,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     finally:
         stopping = time.perf_counter()
         jax.distributed.shutdown()
-        log.warning("process %d: rendezvous %.2f s, shutdown %.2f s, total %.2f s", args.process_id, rendezvous_seconds,
+        log.info("process %d: rendezvous %.2f s, shutdown %.2f s, total %.2f s", args.process_id, rendezvous_seconds,
                     time.perf_counter() - stopping, time.perf_counter() - started)
     report["rendezvous_seconds"] = rendezvous_seconds
     Path(args.report).write_text(json.dumps(report))
