@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from metadist.cost import Cluster, ClusterError, cluster_for, collective_seconds, load_cluster, reshard, resolve_cluster
+from metadist.cost import Cluster, ClusterError, Link, cluster_for, collective_seconds, load_cluster, reshard, resolve_cluster
 from metadist.cost.calibrate import cluster_from_report, fit_link
 from metadist.cost.compute import compute_seconds, node_work
 from metadist.cost.memory import liveness
@@ -145,3 +145,88 @@ def test_calibrate_measures_gloo_on_two_processes():
     assert {m["op"] for m in report["measurements"]} >= {"all_reduce", "all_gather"}
     assert cluster.link(0).bandwidth_bytes_per_s > 0
     json.loads(cluster.to_json())
+
+
+# ---------------------------------------------------------------- bucketed collectives
+
+
+def _train_step_graph():
+    """x -> f0 = x*p0 -> loss; backward: d shared by both gradients, g1 and g0 per parameter; then p - g."""
+    from metadist.ir import Graph, GraphInput, GraphOutput, MetaOp, Node, Role, TensorSpec, Value, ValueRef
+
+    f32 = TensorSpec((64,), "float32")
+    mul = MetaOp("aten.mul.Tensor")
+
+    def node(name, op, *args):
+        return Node(name, op, args, (), (Value(name, f32),))
+
+    nodes = (
+        node("f0", mul, ValueRef("x"), ValueRef("p0")),
+        Node("loss", MetaOp("aten.sum.default"), (ValueRef("f0"),), (), (Value("loss", TensorSpec((), "float32")),)),
+        node("d", mul, ValueRef("f0"), ValueRef("p1")),  # reads p1 but feeds both gradients: backward
+        node("g1", mul, ValueRef("d"), 2.0),
+        node("g0", mul, ValueRef("d"), ValueRef("x")),
+        node("q0", MetaOp("aten.sub.Tensor"), ValueRef("p0"), ValueRef("g0")),
+        node("q1", MetaOp("aten.sub.Tensor"), ValueRef("p1"), ValueRef("g1")),
+    )
+    inputs = (GraphInput(Value("x", f32), Role.BATCH), GraphInput(Value("p0", f32), Role.PARAM, "p0"),
+              GraphInput(Value("p1", f32), Role.PARAM, "p1"))
+    outputs = (GraphOutput("loss", Role.LOSS), GraphOutput("q0", Role.PARAM, replaces="p0", source="p0"),
+               GraphOutput("q1", Role.PARAM, replaces="p1", source="p1"))
+    return Graph(inputs, nodes, outputs, name="toy")
+
+
+def test_bucketing_finds_the_update_phase_and_shares_the_fixed_cost():
+    from metadist.cost import NO_BUCKETING, OUTPUT_CONSUMER, bucketing_for
+
+    graph = _train_step_graph()
+    bucketing = bucketing_for(graph)
+    assert bucketing.update_start == 5, "the first node that reads a parameter and feeds its own update only"
+    assert bucketing.edges == {("p0", "q0"), ("g0", "q0"), ("p1", "q1"), ("g1", "q1")}
+    # 4 values on bucketed edges, plus 3 graph outputs, in one bucket
+    assert bucketing.fixed_share == pytest.approx(1 / 7)
+    assert bucketing.share("g0", "q0") == bucketing.share("loss", OUTPUT_CONSUMER) == pytest.approx(1 / 7)
+    assert bucketing.share("f0", "d") == bucketing.share("d", "g0") == 1.0
+    # a cap that holds one value per bucket: no sharing; cap 0: coalescing off
+    assert bucketing_for(graph, cap_bytes=256).fixed_share == 1.0
+    assert bucketing_for(graph, cap_bytes=0) == NO_BUCKETING
+
+
+def test_a_bucketed_collective_pays_its_bandwidth_and_a_share_of_its_fixed_cost():
+    link = Link(bandwidth_bytes_per_s=1e9, latency_s=1e-4, call_overhead_s=5e-4)
+    alone, sent = collective_seconds("all_reduce", 4e6, 4, link)
+    shared, shared_sent = collective_seconds("all_reduce", 4e6, 4, link, fixed_share=0.25)
+    assert sent == shared_sent
+    fixed = 5e-4 + 6 * 1e-4
+    assert alone == pytest.approx(fixed + sent / 1e9)
+    assert shared == pytest.approx(0.25 * fixed + sent / 1e9)
+    # all-to-alls are never coalesced
+    assert collective_seconds("all_to_all", 4e6, 4, link, fixed_share=0.25) == collective_seconds("all_to_all", 4e6, 4, link)
+
+
+def test_data_parallel_estimate_prices_gradient_reductions_as_buckets():
+    """The same DP assignment: with bucketing the gradient all-reduces share one fixed cost, as DDP's buckets do."""
+    from metadist.cost import NO_BUCKETING, bucketing_for, cluster_for, liveness
+    from metadist.ir import Mesh, Partial, Replicate, Shard
+    from metadist.ir.plan import AxisChoice, NodeStrategy
+    from metadist.solver.estimate import Assignment, estimate
+
+    graph = _train_step_graph()
+    cluster = cluster_for("cpu-gloo", Mesh((4,)))
+    factor, r, s0, p = (AxisChoice("factor", 0),), (Replicate(),), (Shard(0),), (Partial("sum"),)
+    strategies = {"f0": NodeStrategy(factor, (s0, r), (s0,)), "loss": NodeStrategy(factor, (s0,), (p,)),
+                  "d": NodeStrategy(factor, (s0, r), (s0,)), "g1": NodeStrategy(factor, (s0,), (s0,)),
+                  "g0": NodeStrategy(factor, (s0, s0), (p,)), "q0": NodeStrategy(factor, (r, r), (r,)),
+                  "q1": NodeStrategy(factor, (r, r), (r,))}
+    assignment = Assignment(strategies, {"x": s0, "p0": r, "p1": r})
+    lives = liveness(graph)
+    bucketed = estimate(graph, assignment, cluster, lives, bucketing_for(graph))
+    alone = estimate(graph, assignment, cluster, lives, NO_BUCKETING)
+    assert bucketed["comm_bytes_by_axis"] == alone["comm_bytes_by_axis"]
+    assert bucketed["collectives_by_kind"] == alone["collectives_by_kind"] == {"all_gather": 1, "all_reduce": 2}
+    link = cluster.link(0)
+    fixed_all_reduce = link.call_overhead_s + 6 * link.latency_s
+    # the loss and g0 all-reduces are bucketed (share 1/7); g1's gather (read by q1, made before the update) too
+    fixed_gather = link.call_overhead_s + 3 * link.latency_s
+    saved = (1 - 1 / 7) * (2 * fixed_all_reduce + fixed_gather)
+    assert alone["comm_s"] - bucketed["comm_s"] == pytest.approx(saved)

@@ -16,6 +16,7 @@ from .cluster import (
     load_cluster,
     resolve_cluster,
 )
+from .bucketing import DEFAULT_BUCKET_CAP_BYTES, NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, bucketing_for
 from .comm import Collective, Resharding, collective_seconds, reshard
 from .compute import Work, compute_seconds, node_work, split_degree
 from .memory import Liveness, ValueLife, liveness

@@ -19,6 +19,10 @@ Shard(i) -> Partial    all-gather           as Shard -> Replicate
 
 Axes that shrink the buffer (to Shard) go first, then the gathers and all-reduces, so that
 each collective moves as little as possible (the order DTensor's redistribute favours).
+
+A collective the runtime runs in a bucket with others (:mod:`.bucketing`) pays only
+``fixed_share`` of its fixed cost (the ``alpha`` terms and ``call_overhead_s``); the
+bandwidth term is paid in full. All-to-alls are never bucketed.
 """
 
 from __future__ import annotations
@@ -57,28 +61,28 @@ class Resharding:
 NO_RESHARDING = Resharding()
 
 
-def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Link) -> tuple[float, float]:
+def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Link, fixed_share: float = 1.0) -> tuple[float, float]:
     """(time, bytes sent per device) of one ring collective on ``axis_size`` devices.
 
-    ``buffer_bytes`` is the local buffer before the collective (a shard for all-gather).
+    ``buffer_bytes`` is the local buffer before the collective (a shard for all-gather);
+    ``fixed_share`` scales the fixed cost (latencies and call overhead) of a bucketed collective.
     """
     n = axis_size
     if n <= 1:
         return 0.0, 0.0
-    seconds, sent = _ring(kind, buffer_bytes, n, link)
-    return link.call_overhead_s + seconds, sent
+    steps, sent = _ring(kind, buffer_bytes, n)
+    share = 1.0 if kind == "all_to_all" else fixed_share
+    return share * (link.call_overhead_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
 
 
-def _ring(kind: str, buffer_bytes: float, n: int, link: Link) -> tuple[float, float]:
+def _ring(kind: str, buffer_bytes: float, n: int) -> tuple[int, float]:
+    """(latency steps, bytes sent per device) of a ring collective."""
     if kind == "all_gather":
-        sent = (n - 1) * buffer_bytes
-        return (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent
+        return n - 1, (n - 1) * buffer_bytes
     if kind == "all_reduce":
-        sent = 2 * (n - 1) / n * buffer_bytes
-        return 2 * (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent
+        return 2 * (n - 1), 2 * (n - 1) / n * buffer_bytes
     if kind in ("reduce_scatter", "all_to_all"):
-        sent = (n - 1) / n * buffer_bytes
-        return (n - 1) * link.latency_s + sent / link.bandwidth_bytes_per_s, sent
+        return n - 1, (n - 1) / n * buffer_bytes
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -94,8 +98,11 @@ def _collective_kind(src, dst) -> str | None:
     raise ValueError(f"unknown placement {src!r}")
 
 
-def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster) -> Resharding:
-    """The collectives that move a value of ``spec`` from sharding ``src`` to ``dst``."""
+def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster, fixed_share: float = 1.0) -> Resharding:
+    """The collectives that move a value of ``spec`` from sharding ``src`` to ``dst``.
+
+    ``fixed_share``: the share of each collective's fixed cost paid when it runs bucketed (1: alone).
+    """
     if tuple(src) == tuple(dst):
         return NO_RESHARDING
     mesh = cluster.mesh
@@ -109,6 +116,6 @@ def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster) ->
         current[axis] = dst[axis]
         if kind is None:
             continue
-        seconds, sent = collective_seconds(kind, buffer_bytes, mesh.shape[axis], cluster.link(axis))
+        seconds, sent = collective_seconds(kind, buffer_bytes, mesh.shape[axis], cluster.link(axis), fixed_share)
         collectives.append(Collective(kind=kind, axis=axis, comm_bytes=sent, comm_s=seconds))
     return Resharding(tuple(collectives))

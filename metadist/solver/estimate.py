@@ -1,7 +1,9 @@
 """The estimate of a whole assignment: step time (compute, communication per axis), memory.
 
 This evaluates an assignment edge by edge and value by value on the full graph (no tying, no
-merging), so the ILP's plan, beam search's plan and the baselines are priced the same way.
+merging), so the ILP's plan, beam search's plan and the baselines are priced the same way,
+bucketed edges included (:mod:`metadist.cost.bucketing`: a DDP baseline's gradient
+all-reduces share their fixed cost as the solver's plan's do).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..cost import Cluster, compute_seconds, local_nbytes, node_work, reshard
+from ..cost import OUTPUT_CONSUMER, Bucketing, Cluster, bucketing_for, compute_seconds, local_nbytes, node_work, reshard
 from ..ir import Graph
 from ..ir.plan import NodeStrategy
 
@@ -33,30 +35,31 @@ def value_shardings(graph: Graph, assignment: Assignment) -> dict[str, tuple]:
     return produced
 
 
-def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple]):
+def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], bucketing: Bucketing):
     from .problem import final_output_sharding
 
     for node in graph.nodes:
         for name, needed in zip(node.input_names, assignment.node_strategies[node.name].inputs):
-            yield graph.value(name).spec, produced[name], needed
+            yield graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name)
     for graph_output in graph.outputs:
         src = produced[graph_output.name]
         dst = assignment.input_shardings[graph_output.replaces] if graph_output.replaces else final_output_sharding(src)
-        yield graph.value(graph_output.name).spec, src, dst
+        yield graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER)
 
 
-def communication(graph: Graph, assignment: Assignment, cluster: Cluster) -> dict[str, Any]:
-    """Seconds and bytes per mesh axis, and collectives by kind."""
+def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucketing: Bucketing | None = None) -> dict[str, Any]:
+    """Seconds and bytes per mesh axis, and collectives by kind (bucketed edges: see :mod:`metadist.cost.bucketing`)."""
+    bucketing = bucketing_for(graph) if bucketing is None else bucketing
     produced = value_shardings(graph, assignment)
     names = cluster.mesh.axis_names
     comm_s = {name: 0.0 for name in names}
     comm_bytes = {name: 0.0 for name in names}
     kinds: dict[str, int] = {}
     cache: dict[tuple, Any] = {}
-    for spec, src, dst in _edges(graph, assignment, produced):
-        key = (spec, src, dst)
+    for spec, src, dst, share in _edges(graph, assignment, produced, bucketing):
+        key = (spec, src, dst, share)
         if key not in cache:
-            cache[key] = reshard(spec, src, dst, cluster)
+            cache[key] = reshard(spec, src, dst, cluster, share)
         for collective in cache[key].collectives:
             comm_s[names[collective.axis]] += collective.comm_s
             comm_bytes[names[collective.axis]] += collective.comm_bytes
@@ -98,10 +101,10 @@ def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dic
     }
 
 
-def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dict[str, Any]:
+def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, bucketing: Bucketing | None = None) -> dict[str, Any]:
     """Step time (compute + communication, no overlap assumed) and memory per device."""
     compute_s = sum(node_compute_s(graph, name, st, cluster) for name, st in assignment.node_strategies.items())
-    comm = communication(graph, assignment, cluster)
+    comm = communication(graph, assignment, cluster, bucketing)
     comm_s = sum(comm["comm_s_by_axis"].values())
     result: dict[str, Any] = {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s}
     result.update(comm)

@@ -53,6 +53,9 @@ INTEGRALITY_TOLERANCE = 1e-6
 """How far from 0 or 1 a relaxed strategy variable may be and still count as integral."""
 MEMORY_SCALE = 1e-6
 """Memory rows are in megabytes (bytes times this) to keep coefficients well scaled."""
+MEMORY_MARGIN_BYTES = 64.0
+"""Taken off the budget in the memory rows: HiGHS accepts rows a feasibility tolerance (a few bytes
+at MEMORY_SCALE) past their bound, and the planner checks the budget exactly."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ class ShardingILP:
             if self.memory_variable is not None:
                 self.rows.append((index + [self.memory_variable], value + [-1.0], -highspy.kHighsInf, -MEMORY_SCALE * constant))
             else:
-                self.rows.append((index, value, -highspy.kHighsInf, MEMORY_SCALE * (self.budget - constant)))
+                self.rows.append((index, value, -highspy.kHighsInf, MEMORY_SCALE * (self.budget - MEMORY_MARGIN_BYTES - constant)))
 
     # -- solving ----------------------------------------------------------------
     def _model(self) -> highspy.HighsLp:

@@ -58,7 +58,7 @@ def plan_graph(
     for _ in range(MAX_PEAK_ROUNDS):
         solution = _solve(problem, budget, solver, time_limit_s, beam_width)
         assignment = assignment_from(problem, solution.choice)
-        figures = estimate(graph, assignment, cluster, problem.liveness)
+        figures = estimate(graph, assignment, cluster, problem.liveness, problem.bucketing)
         position = figures["memory_peak_position"]
         if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
             break

@@ -10,6 +10,9 @@ or joins two tied copies of the same class), and one :class:`ClassEdge` for ever
 producer/consumer pair, whose cost depends on the producer's output sharding ``p`` and the
 consumer's required input sharding ``q`` only: ``comm_s[p][q]``. Memory: at each liveness
 peak, ``memory_bytes[peak][c][s]`` plus a constant.
+
+Edges the runtime buckets (:mod:`metadist.cost.bucketing`: update-phase reads of gradients and
+of graph inputs, and the graph outputs) pay a share of each collective's fixed cost.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..cost import Cluster, Liveness, compute_seconds, liveness, local_nbytes, node_work, reshard
+from ..cost import (
+    NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, Cluster, Liveness, bucketing_for, compute_seconds, liveness, local_nbytes, node_work, reshard,
+)
 from ..ir import Graph, Partial, Replicate, Rule
 from ..ir.plan import NodeStrategy
 from .shrink import follower_choice, tie_inputs, tie_nodes
@@ -74,6 +79,8 @@ class Problem:
     excluded_indivisible: int
     missing_rules: Mapping[str, str]
     stats: Mapping[str, Any] = field(default_factory=dict)
+    bucketing: Bucketing = NO_BUCKETING
+    """The edges priced as bucketed collectives (:mod:`metadist.cost.bucketing`)."""
 
     def strategy_count(self, class_index: int) -> int:
         return len(self.units[class_index].strategies)
@@ -236,29 +243,31 @@ class _Reshard:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster, self.by_identity, self.by_value = cluster, {}, {}
 
-    def __call__(self, spec, src, dst) -> float:
-        key = (id(spec), id(src), id(dst))
+    def __call__(self, spec, src, dst, fixed_share: float = 1.0) -> float:
+        key = (id(spec), id(src), id(dst), fixed_share)
         hit = self.by_identity.get(key)
         if hit is not None:
             return hit[0]
-        value_key = (spec, src, dst)
+        value_key = (spec, src, dst, fixed_share)
         seconds = self.by_value.get(value_key)
         if seconds is None:
-            seconds = self.by_value[value_key] = reshard(spec, src, dst, self.cluster).comm_s
+            seconds = self.by_value[value_key] = reshard(spec, src, dst, self.cluster, fixed_share).comm_s
         self.by_identity[key] = (seconds, spec, src, dst)
         return seconds
 
 
-def _edge_endpoints(graph: Graph, member_unit):
-    """(producer (unit, member, output index), consumer (unit, member, slot or -1 for state), spec) per edge."""
+def _edge_endpoints(graph: Graph, member_unit, bucketing: Bucketing):
+    """(producer (unit, member, output index), consumer (unit, member, slot or -1 for state), spec, fixed-cost share) per edge."""
     for node in graph.nodes:
         consumer = member_unit[node.name]
         for slot, name in enumerate(node.input_names):
-            yield _producer_of(graph, name, member_unit), (*consumer, slot), graph.value(name).spec
+            yield (_producer_of(graph, name, member_unit), (*consumer, slot), graph.value(name).spec,
+                   bucketing.share(name, node.name))
     for graph_output in graph.outputs:
         if graph_output.replaces is not None:
             consumer = member_unit[graph_output.replaces]
-            yield _producer_of(graph, graph_output.name, member_unit), (*consumer, -1), graph.value(graph_output.name).spec
+            yield (_producer_of(graph, graph_output.name, member_unit), (*consumer, -1), graph.value(graph_output.name).spec,
+                   bucketing.share(graph_output.name, OUTPUT_CONSUMER))
 
 
 def _producer_of(graph: Graph, value_name: str, member_unit) -> tuple[int, int, int]:
@@ -273,28 +282,28 @@ def _consumer_sharding(unit: Unit, strategy: int, member: int, slot: int) -> tup
     return row.outputs[0] if slot == -1 else row.inputs[slot]
 
 
-def _edges(graph, units, member_unit, unit_class, price):
+def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing):
     """Linear edge costs per class strategy, and the ClassEdges that need edge variables."""
     linear = {c: [0.0] * len(units[c].strategies) for c in set(unit_class)}
     counts: dict[tuple, int] = {}
     inside: dict[tuple, int] = {}  # edges inside one unit (a follower that reshards its input), by class
-    for (pu, pm, pk), (cu, cm, slot), spec in _edge_endpoints(graph, member_unit):
+    for (pu, pm, pk), (cu, cm, slot), spec, share in _edge_endpoints(graph, member_unit, bucketing):
         if pu == cu:
-            key = (unit_class[pu], pm, pk, cm, slot, spec)
+            key = (unit_class[pu], pm, pk, cm, slot, spec, share)
             inside[key] = inside.get(key, 0) + 1
             continue
-        key = (unit_class[pu], pm, pk, unit_class[cu], cm, slot, spec)
+        key = (unit_class[pu], pm, pk, unit_class[cu], cm, slot, spec, share)
         counts[key] = counts.get(key, 0) + 1
-    for (c, pm, pk, cm, slot, spec), count in inside.items():
+    for (c, pm, pk, cm, slot, spec, share), count in inside.items():
         unit = units[c]
         for s in range(len(unit.strategies)):
-            linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot))
+            linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot), share)
     merged: dict[tuple, list[list[float]]] = {}
-    for (a, pm, pk, b, cm, slot, spec), count in counts.items():
+    for (a, pm, pk, b, cm, slot, spec, share), count in counts.items():
         p_all = [_output_sharding(units[a], s, pm, pk) for s in range(len(units[a].strategies))]
         q_all = [_consumer_sharding(units[b], t, cm, slot) for t in range(len(units[b].strategies))]
         p_list, q_list = list(dict.fromkeys(p_all)), list(dict.fromkeys(q_all))
-        matrix = [[count * price(spec, p, q) for q in q_list] for p in p_list]
+        matrix = [[count * price(spec, p, q, share) for q in q_list] for p in p_list]
         p_label = tuple(p_list.index(p) for p in p_all)
         q_label = tuple(q_list.index(q) for q in q_all)
         if a == b:
@@ -318,16 +327,17 @@ def _edges(graph, units, member_unit, unit_class, price):
     return linear, edges
 
 
-def _output_linear(graph, units, member_unit, unit_class, price, linear) -> None:
+def _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing: Bucketing) -> None:
     """Outputs that do not replace state end replicated where they come out Partial: charge it."""
     for graph_output in graph.outputs:
         if graph_output.replaces is not None:
             continue
         unit_index, member, k = _producer_of(graph, graph_output.name, member_unit)
         spec = graph.value(graph_output.name).spec
+        share = bucketing.share(graph_output.name, OUTPUT_CONSUMER)
         for s in range(len(units[unit_index].strategies)):
             src = _output_sharding(units[unit_index], s, member, k)
-            linear[unit_class[unit_index]][s] += price(spec, src, final_output_sharding(src))
+            linear[unit_class[unit_index]][s] += price(spec, src, final_output_sharding(src), share)
 
 
 def final_output_sharding(sharding: tuple) -> tuple:
@@ -368,9 +378,15 @@ def build_problem(
     cluster: Cluster,
     restrictions: Restrictions = Restrictions(),
     missing: Mapping[str, str] | None = None,
+    bucketing: Bucketing | None = None,
 ) -> Problem:
-    """Enumerate, merge, tie and price: the whole problem, ready for the ILP or beam search."""
+    """Enumerate, merge, tie and price: the whole problem, ready for the ILP or beam search.
+
+    ``bucketing``: which edges the runtime coalesces (None: :func:`~metadist.cost.bucketing_for` the graph
+    with the runtime's default cap; :data:`~metadist.cost.NO_BUCKETING` prices every collective alone).
+    """
     started = time.perf_counter()
+    bucketing = bucketing_for(graph) if bucketing is None else bucketing
     sets, compute = _member_strategies(graph, rules, cluster, restrictions)
     price = _Reshard(cluster)
     units, unit_seconds = _build_units(graph, sets, compute, price)
@@ -382,8 +398,8 @@ def build_problem(
         row = compute_s[unit_class[index]]
         for s, value in enumerate(seconds):
             row[s] += value
-    linear, edges = _edges(graph, units, member_unit, unit_class, price)
-    _output_linear(graph, units, member_unit, unit_class, price, linear)
+    linear, edges = _edges(graph, units, member_unit, unit_class, price, bucketing)
+    _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing)
     lives = liveness(graph)
     memory, constants = _memory(graph, units, member_unit, unit_class, lives, cluster.mesh, lives.peaks)
     missing_rules = dict(missing or {})
@@ -397,6 +413,8 @@ def build_problem(
         "classes_after_tying": len(classes),
         "classes_with_choices": sum(1 for c in classes if len(units[c].strategies) > 1),
         "class_edges": len(edges),
+        "bucketed_edges": len(bucketing.edges),
+        "bucketed_fixed_share": round(bucketing.fixed_share, 6),
         "problem_build_s": round(time.perf_counter() - started, 4),
     }
     logger.info("problem for %s: %s", graph.name, stats)
@@ -407,4 +425,5 @@ def build_problem(
         memory_bytes=memory, memory_constant_bytes=constants, liveness=lives,
         excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
         stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values())},
+        bucketing=bucketing,
     )

@@ -1,0 +1,120 @@
+"""Bucketed collectives in the cost model: which reshardings share their fixed cost, and how much.
+
+The runtime coalesces reshards (:mod:`metadist.lowering.coalesce`): at a resharding, every
+later one of the same kind, axis, op and dtype whose source already exists joins it in one
+collective, up to a byte cap. Where that pays is the **update phase**: the gradients are all
+made by the end of the backward pass and read one parameter after another by the optimizer,
+so their reductions share one call per bucket, as DDP's do. Elsewhere (forward, backward) a
+resharded value is mostly read right after it is made, and pays a call of its own.
+
+The model, kept simple so that each edge is still priced on its own (the ILP's structure):
+
+- **update groups**: each state output that replaces an input (an updated parameter or
+  optimizer state) belongs to the group of its parameter (the output's ``source``);
+- **update start** ``U``: the first node after the loss that reads a parameter or optimizer
+  state input and feeds that input's group only (the optimizer's first op: ``step + 1``, a
+  ``lerp`` into ``exp_avg``, ``p - lr * g``). Backward reads of parameters feed other groups
+  (the gradient of the layer's input), tied ones included. Nodes from ``U`` on are the update;
+- a **bucketed edge** is a value read at or after ``U`` by a node, when the value is a graph
+  input or made before ``U`` (gradients, parameters gathered for the update); and every graph
+  output's resharding (it runs at the end of the step, with all the others);
+- a bucketed collective pays the bandwidth term in full and a share
+  ``fixed_share = buckets / values`` of its fixed cost (ring latencies and the link's
+  per-call overhead), ``values`` being the number of distinct values on bucketed edges and
+  ``buckets = ceil(their whole bytes / cap)``: if every one of them reshards, the fixed cost is
+  paid once per bucket, as in the runtime. All-to-alls do not coalesce and pay in full.
+
+The share is an estimate: when only some of the values reshard, fewer buckets form than the
+share assumes, and the bytes use whole (unsharded) sizes, which overestimates the buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..ir import Graph, Role
+
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucketing", "NO_BUCKETING", "bucketing_for", "OUTPUT_CONSUMER"]
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+"""The runtime's default bucket (:data:`metadist.lowering.coalesce.DEFAULT_BUCKET_CAP_BYTES`, 25 MiB)."""
+
+OUTPUT_CONSUMER = ""
+"""The consumer name of a graph output's edge (the end of the step)."""
+
+
+@dataclass(frozen=True)
+class Bucketing:
+    """The bucketed edges of one graph and the share of fixed cost each of their collectives pays."""
+
+    edges: frozenset[tuple[str, str]]
+    """(value name, consumer node name) of every bucketed node edge."""
+    fixed_share: float
+    """Multiplier of a bucketed collective's fixed cost (latency and call overhead), in (0, 1]."""
+    update_start: int
+    """Position of the first update-phase node (``U``); ``len(graph.nodes)`` when there is none."""
+
+    def share(self, value: str, consumer: str) -> float:
+        """The fixed-cost share of the resharding of ``value`` for ``consumer`` (OUTPUT_CONSUMER: a graph output)."""
+        if consumer == OUTPUT_CONSUMER or (value, consumer) in self.edges:
+            return self.fixed_share
+        return 1.0
+
+
+NO_BUCKETING = Bucketing(frozenset(), 1.0, 0)
+"""Every collective pays its whole fixed cost (coalescing off)."""
+
+
+def bucketing_for(graph: Graph, cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> Bucketing:
+    """The bucketed edges of ``graph`` under the runtime's coalescing with ``cap_bytes`` (<= 0: none)."""
+    if cap_bytes <= 0:
+        return NO_BUCKETING
+    start = _update_start(graph)
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    edges: set[tuple[str, str]] = set()
+    values: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes[start:], start):
+        for name in node.input_names:
+            producer = graph.producer(name)
+            if producer is None or position[producer.name] < start:
+                edges.add((name, node.name))
+                values[name] = graph.value(name).spec.nbytes
+    for graph_output in graph.outputs:
+        values[graph_output.name] = graph.value(graph_output.name).spec.nbytes
+    if not values:
+        return Bucketing(frozenset(edges), 1.0, start)
+    buckets = max(1, math.ceil(sum(values.values()) / cap_bytes))
+    return Bucketing(frozenset(edges), min(1.0, buckets / len(values)), start)
+
+
+def _update_start(graph: Graph) -> int:
+    """The first node after the loss that reads a state input and feeds that input's update group only."""
+    group_bit: dict[str, int] = {}
+    input_bit: dict[str, int] = {}
+    feeds: dict[str, int] = {}  # value name -> bit set of the update groups it feeds
+    for graph_output in graph.outputs:
+        if graph_output.replaces is not None:
+            bit = group_bit.setdefault(graph_output.source or graph_output.replaces, 1 << len(group_bit))
+            input_bit[graph_output.replaces] = bit
+            feeds[graph_output.name] = feeds.get(graph_output.name, 0) | bit
+    node_feeds = [0] * len(graph.nodes)
+    for index in reversed(range(len(graph.nodes))):
+        node = graph.nodes[index]
+        bits = 0
+        for value in node.output_values:
+            bits |= feeds.get(value.name, 0)
+        node_feeds[index] = bits
+        for name in node.input_names:
+            feeds[name] = feeds.get(name, 0) | bits
+    loss_names = {graph_output.name for graph_output in graph.outputs if graph_output.role is Role.LOSS}
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    loss_position = max((position[graph.producer(name).name] for name in loss_names if graph.producer(name) is not None),
+                        default=-1)
+    state = {graph_input.value.name for graph_input in graph.inputs if graph_input.role in (Role.PARAM, Role.OPTIM_STATE)}
+    for index in range(loss_position + 1, len(graph.nodes)):
+        node = graph.nodes[index]
+        for name in node.input_names:
+            if name in state and name in input_bit and node_feeds[index] == input_bit[name]:
+                return index
+    return len(graph.nodes)
