@@ -127,3 +127,65 @@ def test_pipeline_discovers_plans_runs_and_checks(tmp_path, name, mesh, baseline
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["passed"], report["text"]
     assert "check PASSED" in report["text"]
+
+
+CONTROL_FLOW_AND_DROPOUT = """
+    import dataclasses, json
+    from metadist.frontends.jax import capture_jax, run_graph
+    from metadist.frontends.jax.cli_support import CheckTolerance, compare_outputs
+    from metadist.frontends.jax.sharded import run_sharded
+    from metadist.ir import Mesh, Replicate, Role, Shard
+    from metadist.lowering import replicate_plan
+    from metadist.workloads.jax_builtin import jax_builtin_workload
+
+    report = {}
+    for name in ("jax-mlp-scan", "jax-mlp-dropout"):
+        workload = jax_builtin_workload(name)
+        step = capture_jax(workload)
+        graph = step.graph
+        inputs = step.graph_inputs(workload.params, workload.opt_state, workload.batch)
+        single = run_graph(graph, inputs)
+        base = replicate_plan(graph, Mesh((2, 4), ("dp", "tp")), "test")
+        batch = {i.value.name: (Shard(0), Replicate()) for i in graph.inputs_by_role(Role.BATCH)
+                 if i.value.spec.rank == 2}
+        strategies = dict(base.node_strategies)
+        # Pin every node whose first output is (B, H): rows over dp, columns over tp (the unrolled layers,
+        # and for dropout the threefry counters and the random bits themselves).
+        pinned = 0
+        for node in graph.nodes:
+            value = node.outputs[0]
+            if value is not None and value.spec.shape in ((32, 128), (32, 256)):  # (B, H)
+                outputs = ((Shard(0), Shard(1)),) + tuple(strategies[node.name].outputs[1:])
+                strategies[node.name] = dataclasses.replace(strategies[node.name], outputs=outputs)
+                pinned += 1
+        plan = dataclasses.replace(base, node_strategies=strategies, input_shardings={**base.input_shardings, **batch})
+        run = run_sharded(graph, plan, inputs)
+        check = compare_outputs(step, run.outputs, single, CheckTolerance())
+        report[name] = {"passed": check.passed, "worst": check.worst_output, "pinned": pinned,
+                        "pinned_threefry": sum(1 for n in graph.nodes if n.op.target == "jax.lax.threefry2x32"
+                                               and strategies[n.name].outputs[0] == (Shard(0), Shard(1))),
+                        "xla": run.xla_collectives, "loss": [check.loss_sharded, check.loss_single]}
+    print(json.dumps(report))
+"""
+
+
+def test_scanned_and_dropout_steps_run_sharded_and_match_one_device():
+    """Unrolled scan layers and dropout bits computed in pieces on a 2x4 mesh give the one-device step."""
+    report = run_in_subprocess(CONTROL_FLOW_AND_DROPOUT)
+    for name, result in report.items():
+        assert result["passed"], (name, result)
+        assert result["pinned"] > 4 and sum(result["xla"].values()) > 0, (name, result)
+    assert report["jax-mlp-dropout"]["pinned_threefry"] >= 2, "the dropout bits themselves are drawn sharded"
+
+
+JAX_CLI = [sys.executable, "-m", "metadist.cli.main", "run"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mesh", [("jax-mlp-scan", "2x4"), ("jax-mlp-dropout", "8")])
+def test_cli_plans_runs_and_checks_scan_and_dropout(name, mesh):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([*JAX_CLI, name, "--devices", "8", "--mesh", mesh, "--check"], capture_output=True,
+                            text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "check PASSED" in result.stdout
