@@ -119,12 +119,17 @@ def run_jax_multihost_route(args: argparse.Namespace) -> int:
     """``--nproc P --devices D`` for a JAX workload: P local processes joined by jax.distributed."""
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    from ..frontends.jax.errors import JaxCaptureError
     from ..frontends.jax.multihost import run_jax_multihost
 
     baseline = None if args.plan == "solver" else args.plan
-    summary = run_jax_multihost(args.model, processes=args.nproc, local_devices=args.devices, mesh=args.mesh or None,
-                                check=args.check, cluster=args.cluster, baseline=baseline,
-                                rendezvous_timeout_s=args.timeout_s)
+    try:
+        summary = run_jax_multihost(args.model, processes=args.nproc, local_devices=args.devices,
+                                    mesh=args.mesh or None, check=args.check, cluster=args.cluster, baseline=baseline,
+                                    rendezvous_timeout_s=args.timeout_s)
+    except JaxCaptureError as err:
+        print(f"metadist run: error: {err}", file=sys.stderr)
+        return 2
     print(summary.to_text())
     if summary.passed is False:
         print("metadist run: error: the multi-process JAX run differs from the single-device run beyond tolerance",

@@ -194,7 +194,7 @@ class _GraphBuilder:
 
         if isinstance(arg, ValueRef):
             spec = self.specs[arg.name]
-            return jax.ShapeDtypeStruct(spec.shape, np.dtype(spec.dtype) if spec.dtype != "bfloat16" else jax.numpy.bfloat16)
+            return jax.ShapeDtypeStruct(spec.shape, jax.numpy.dtype(spec.dtype))
         scalar = decode_scalar(arg)
         return jax.ShapeDtypeStruct(scalar.shape, scalar.dtype)
 
@@ -358,9 +358,9 @@ def _check_outputs(out_shapes: Any, params: Any, opt_state: Any) -> None:
 def _spec(aval: Any, where: str) -> TensorSpec:
     try:
         dtype = dtype_name(aval.dtype)
-    except TypeError as err:  # extended dtypes (PRNG keys) are not numpy dtypes
-        raise JaxCaptureError(f"{where} has dtype {aval.dtype}, which MetaIR cannot represent; "
-                              "pass raw uint32 keys (jax.random.key_data) instead of typed keys") from err
+    except TypeError as err:  # extended dtypes other than PRNG keys (which travel as key data) are not numpy dtypes
+        raise JaxCaptureError(f"{where} has the extended dtype {aval.dtype}, which MetaIR cannot represent; "
+                              "only numpy dtypes and PRNG keys are supported: pass plain arrays instead") from err
     if dtype not in DTYPE_BYTES:
         raise JaxCaptureError(f"{where} has dtype {dtype}, which MetaIR does not know (it knows {sorted(DTYPE_BYTES)})")
     return TensorSpec(tuple(int(size) for size in aval.shape), dtype)
