@@ -5,6 +5,10 @@ On every mesh axis a node takes one factor of its rule, or replicates, or lets a
 jointly (two axes may take the same factor: its dims are split over both). A joint choice
 whose split does not divide a dim evenly is excluded and counted. A node without a rule can
 only replicate. Graph inputs choose a sharding: each axis replicates or shards one dim.
+
+An affine factor (``Factor.partial_inputs``, e.g. addmm's ``k`` with the bias) puts those
+inputs ``Partial(sum)`` on the axes that take it (:func:`metadist.ir.plan.strategy_from_choices`);
+a replicated producer reaches that for free (the lowering's ``zero_partial``).
 """
 
 from __future__ import annotations
