@@ -123,7 +123,11 @@ def unroll_scan(builder: "_GraphBuilder", eqn: Any) -> None:
 
 
 def select_cond(builder: "_GraphBuilder", eqn: Any) -> None:
-    """Compute every branch of a ``cond``/``switch`` and pick each result with ``select_n`` on the index."""
+    """Compute every branch of a ``cond``/``switch`` and pick each result with ``select_n`` on the index.
+
+    Exact (branches are pure), but every step pays the compute and memory of all branches, and their
+    backward passes: a ``switch`` over ``n`` branches costs the sum of the ``n``, not the one taken.
+    """
     from jax import lax
 
     branches = eqn.params["branches"]
