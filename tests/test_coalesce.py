@@ -245,3 +245,10 @@ def test_whole_step_programs_stay_valid_with_the_same_bytes_and_fewer_calls(mlp_
 
 BUCKET_KINDS = {"dp": {"all_reduce"}, "zero3": {"all_gather", "reduce_scatter", "all_reduce"},
                 "dp2d_zero3": {"all_gather", "all_reduce"}}
+
+
+def test_the_cost_model_prices_the_runtimes_bucket():
+    from metadist.cost import DEFAULT_BUCKET_CAP_BYTES as priced
+    from metadist.lowering import DEFAULT_BUCKET_CAP_BYTES as run
+
+    assert priced == run

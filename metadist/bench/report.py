@@ -274,12 +274,14 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
               "Each line sets MetaDist's better row (ILP or beam) against the best distributed baseline on one "
               "figure; worst first.", "", *gap_lines(runs), "",
               "Collectives per step and their mean payload, per method:", "", *call_lines(runs), "",
-              "Why, as far as these figures show: MetaDist's runtime issues one collective per tensor that changes "
-              "sharding, and coalesces none, where DDP reduces all gradients in a few buckets and FSDP2 gathers a "
-              "whole block's parameters in one call. On gloo every call pays a round trip between processes, so a "
-              "hundred small collectives cost more than a few large ones of the same total size. "
-              "The cost model prices each collective with the `cpu-gloo` preset's latency, which is far below what a "
-              "call costs on this shared 2-core machine, so the solver does not see that cost (next section).", ""]
+              "Why, as far as these figures show: on gloo every call pays a round trip between processes, so a "
+              "hundred small collectives cost more than a few large ones of the same total size. MetaDist coalesces "
+              "its reshards into buckets (one call for the gradients of the update, as DDP's buckets; one call per "
+              "mesh axis for the state gathered at the end of the step), but a value resharded in the forward or "
+              "backward pass is mostly read right after it is made and still takes a call of its own, where DDP "
+              "needs none there. MetaDist's plans also move more bytes than DDP's (the solver shards the update, "
+              "ZeRO-style, and gathers the result), and its runtime holds the user's full model next to its shards, "
+              "which shows in its memory rows.", ""]
     prediction = prediction_rows(runs)
     if prediction:
         parts += ["## The cost model against the measurements (this machine, `cpu-gloo` preset)", "",
@@ -341,6 +343,10 @@ def _method_notes(run: BenchRun) -> str:
         "on the inner mesh axis and FSDP2 (ZeRO-2 style) on the outer.",
         "- MetaDist's compile time (capture, discovery, solve, lowering) is measured outside the profiler; discovery "
         "reads the rule database, so it is short once the signatures are known.",
+        "- MetaDist coalesces its collectives as DDP and FSDP bucket gradients: reshards of the same kind, mesh axis, "
+        "reduce op and dtype that can run at the same point share one call on a flat buffer (buckets of at most 25 MiB, "
+        "`metadist.lowering.coalesce`); its *calls* column counts those calls, and its cost model prices the gradient "
+        "reductions of the update as buckets (`metadist.cost.bucketing`).",
         "",
     ])
 
