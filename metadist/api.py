@@ -44,6 +44,9 @@ class CompileOptions:
     """Bound on the rendezvous and every collective, so a failed rank never hangs the others."""
     compile_backend: str | None = None
     """Run each rank's program through ``torch.compile`` with this backend (e.g. ``inductor`` on GPUs)."""
+    bucket_cap_mb: float | None = None
+    """Cap of one coalesced collective in MiB (gradients bucket like DDP's); None: 25 MiB, 0: no coalescing.
+    The solver prices the same buckets."""
     init_seed: int = 0
     """A model on the meta device: the seed of its initialisation (each rank materialises only its shards)."""
     init_fn: Callable | None = None
@@ -140,7 +143,7 @@ class CompiledTrainStep:
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
-                              init_fn=self.options.init_fn)
+                              init_fn=self.options.init_fn, bucket_cap_bytes=_mib(self.options.bucket_cap_mb))
         self.compiled, _ = compile_captured(self.torch_step, mesh, device_mesh, options)
 
     def _mesh(self) -> tuple[Mesh, Any]:
@@ -227,6 +230,10 @@ def plan(
     graph, rules = capture_and_discover(workload, rules_db)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
     return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
+
+
+def _mib(value: float | None) -> int | None:
+    return None if value is None else int(value * (1 << 20))
 
 
 def _batch_signature(batch: Any) -> tuple:

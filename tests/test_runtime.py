@@ -127,6 +127,22 @@ def test_cli_rejects_a_mesh_that_does_not_fit_nproc():
     command = run_command.worker_command(parser.parse_args(["run", "mlp", "--nproc", "2", "--check", "--plan", "dp"]))
     assert command[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
     assert command[7:9] == ["metadist.runtime.worker", "mlp"] and "--check" in command
+    command = run_command.worker_command(parser.parse_args(
+        ["run", "gpt2-tiny", "--nproc", "2", "--meta-init", "--init-seed", "4", "--bucket-cap-mb", "0"]))
+    flags = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+    assert (flags["--bucket-cap-mb"], flags["--device"], flags["--init-seed"]) == ("0.0", "meta", "4")
+    worker_args = command[command.index("metadist.runtime.worker") + 1:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORLD_SIZE", "2")
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+            patch.setenv(name, value)
+        from metadist.runtime.worker import parse_args
+
+        config = parse_args(worker_args)
+    assert (config.device, config.init_seed, config.bucket_cap_bytes) == ("meta", 4, 0)
+    args = parser.parse_args(["run", "mlp", "--nproc", "2", "--bucket-cap-mb", "-1"])
+    with pytest.raises(UsageError, match="--bucket-cap-mb must be 0"):
+        args.handler(args)
 
 
 def test_worker_without_torchrun_says_how_to_launch():

@@ -51,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="build a built-in model on the meta device: each rank materialises only its shards, with the "
                              "values metadist.materialize gives on one device (large built-ins are on meta already)")
     parser.add_argument("--init-seed", type=int, default=0, help="seed of a meta-device model's initialisation")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="cap of one coalesced collective in MiB (default 25; 0 issues one collective per value)")
     parser.set_defaults(handler=run)
 
 
@@ -76,6 +78,8 @@ def worker_command(args: argparse.Namespace) -> list[str]:
         command.append("--check-shapes")
     if getattr(args, "meta_init", False):
         command += ["--device", "meta"]
+    if getattr(args, "bucket_cap_mb", None) is not None:
+        command += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
     if getattr(args, "init_seed", 0):
         command += ["--init-seed", str(args.init_seed)]
     if getattr(args, "verbose", False):
@@ -149,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.bucket_cap_mb is not None and args.bucket_cap_mb < 0:
+        raise UsageError(f"--bucket-cap-mb must be 0 (no coalescing) or more, got {args.bucket_cap_mb}")
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
     if mesh.size != args.nproc:
         raise UsageError(

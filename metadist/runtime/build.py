@@ -42,6 +42,8 @@ class StepOptions:
     """Seed of a meta-device model's initialisation (see ``iter_materialized``)."""
     init_fn: Callable[[torch.nn.Module], None] | None = None
     """Per-module init of a meta-device model, instead of ``reset_parameters``/HuggingFace's ``_init_weights``."""
+    bucket_cap_bytes: int | None = None
+    """Cap of a coalesced collective, in the runtime and in the solver's cost model (None: default, 0: off)."""
 
 
 def read_plan_source(source: str | Plan) -> str | Plan:
@@ -56,10 +58,12 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
     """This rank's compiled step for ``torch_step`` on ``device_mesh``, and the hash of the plan all ranks agreed on."""
     from .. import __version__
 
-    plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster)
+    plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster,
+                     bucket_cap_bytes=options.bucket_cap_bytes)
     plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
     compiled = CompiledStep(
         torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
         compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
+        bucket_cap_bytes=options.bucket_cap_bytes,
     )
     return compiled, plan_hash

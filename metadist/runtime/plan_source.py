@@ -27,6 +27,8 @@ def load_plan(
     metadist_version: str,
     memory_budget_bytes: int | None,
     cluster: str | None = None,
+    *,
+    bucket_cap_bytes: int | None = None,
 ) -> Plan:
     """The plan for ``torch_step.graph`` on ``mesh`` from ``source`` (checked against the graph).
 
@@ -34,6 +36,7 @@ def load_plan(
     solver baseline (``dp``, ``zero2``, ``zero3``, ``megatron``), a plan JSON file
     or a :class:`Plan` already read.
     ``cluster``: the cost model's cluster preset or file (None: ``cpu-gloo`` on CPU).
+    ``bucket_cap_bytes``: the runtime's coalescing cap, which the solver prices (None: default).
     """
     graph = torch_step.graph
     if isinstance(source, Plan):
@@ -41,7 +44,7 @@ def load_plan(
     elif source == "replicate":
         plan = replicate_plan(graph, mesh, metadist_version)
     elif source in PLAN_SOURCES:
-        plan = _solver_plan(torch_step, mesh, source, memory_budget_bytes, cluster)
+        plan = _solver_plan(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes)
     else:
         path = Path(source)
         if not path.is_file():
@@ -54,7 +57,8 @@ def load_plan(
     return plan
 
 
-def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None) -> Plan:
+def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,
+                 bucket_cap_bytes: int | None) -> Plan:
     """Rank 0 discovers the rules and solves; the other ranks receive its plan as JSON.
 
     Planning once and broadcasting keeps every rank on the same plan even when the
@@ -63,12 +67,13 @@ def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_b
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return _solve(torch_step, mesh, source, memory_budget_bytes, cluster)
-    text = _solve(torch_step, mesh, source, memory_budget_bytes, cluster).to_json() if dist.get_rank() == 0 else ""
+        return _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes)
+    text = _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes).to_json() if dist.get_rank() == 0 else ""
     return Plan.from_json(_broadcast_text(text))
 
 
-def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None) -> Plan:
+def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,
+           bucket_cap_bytes: int | None) -> Plan:
     import torch
 
     from ..cost.cluster import resolve_cluster
@@ -81,7 +86,8 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
     rules = rules_from_database(torch_step.graph, TorchExecutor())
     resolved = resolve_cluster(cluster, mesh)
     if source == "solver":
-        return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes)
+        bucketing = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
+        return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes, **bucketing)
     return baseline_plan(torch_step.graph, rules, resolved, source)
 
 

@@ -54,10 +54,12 @@ class CompiledStep:
         compile_backend: str | None = None,
         init_seed: int = 0,
         init_fn: Callable[[torch.nn.Module], None] | None = None,
+        bucket_cap_bytes: int | None = None,
     ) -> None:
         """``check_shapes`` runs the program op by op and names the MetaIR node that fails (slower);
         ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs);
-        ``init_seed`` and ``init_fn`` initialise a meta-device model (see :func:`iter_materialized`)."""
+        ``init_seed`` and ``init_fn`` initialise a meta-device model (see :func:`iter_materialized`);
+        ``bucket_cap_bytes`` caps the lowering's coalesced collectives (None: the default, 0: no coalescing)."""
         if check_shapes and compile_backend:
             raise RunInputError("check_shapes runs the program op by op; it cannot be combined with torch.compile")
         plan.check_for(torch_step.graph, metadist_version)
@@ -70,7 +72,7 @@ class CompiledStep:
         self.plan = plan
         self.device_mesh = device_mesh
         self.coords = tuple(device_mesh.get_coordinate())
-        self.program: RankProgram = lower(torch_step.graph, plan, self.coords)
+        self.program: RankProgram = lower(torch_step.graph, plan, self.coords, bucket_cap_bytes=bucket_cap_bytes)
         self.comm = Collectives.from_device_mesh(device_mesh)
         self.device = _device_of(device_mesh)
         self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values)
