@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from metadist.ir import Graph, GraphInput, GraphOutput, MetaOp, Mesh, Node, Partial, Role, TensorSpec, Value, ValueRef
+from metadist.ir import Graph, GraphInput, GraphOutput, MetaOp, Mesh, Node, Role, TensorSpec, Value, ValueRef
 from metadist.ir import parse_sharding as S
 from metadist.ir.plan import AxisChoice, NodeStrategy, Plan, graph_fingerprint
 from metadist.lowering import (

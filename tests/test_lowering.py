@@ -233,7 +233,7 @@ def test_replicate_plan_lowers_without_communication():
 
 
 def test_lowering_rejects_a_batch_the_mesh_cannot_split():
-    graph, mesh = _small_graph(), Mesh((3,), ("dp",))
+    graph = _small_graph()
     plan = _data_parallel_plan(graph, Mesh((3,), ("dp",)))
     with pytest.raises(LoweringError, match=r"batch input %x.*dim 0.*mesh axis 'dp' of size 3"):
         lower(graph, plan, (0,))

@@ -7,7 +7,6 @@ same steps on one device (tolerances in metadist.runtime.check).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

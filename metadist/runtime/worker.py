@@ -21,7 +21,7 @@ import torch
 from ..ir import Mesh
 from .env import read_torchrun_env
 from .errors import USER_ERRORS
-from .setup import check_same_everywhere, setup_device_mesh, teardown
+from .setup import setup_device_mesh, teardown
 
 __all__ = ["WorkerConfig", "main", "parse_args"]
 

@@ -30,17 +30,27 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import defaultdict
-from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Mapping, Sequence
-
-import numpy as np
+from typing import Any, Iterator, Mapping, Sequence
 
 from ..ir import Concat, Factor, Graph, Identity, Literal, Node, PartialPass, Reduce, Rule, RuleError, ValueRef
-from .discover import UNINITIALIZED_OPS, DiscoveryConfig
+from .discover import DiscoveryConfig
 from .errors import OracleError
-from .executor import ExecutionRefused, OpCall, OpExecutor, op_call
-from .signature import op_name, signature_of
+from .executor import OpCall, OpExecutor, op_call
+from .oracle_report import (
+    DTENSOR_WRONG,
+    REPLICATE,
+    ExecutionCheck,
+    OpReport,
+    OracleReport,
+    SignatureComparison,
+    Strategy,
+    StrategyFinding,
+    merge_reports,
+    report_of,
+    rule_strategies,
+)
+from .recheck import check_rule_by_execution
+from .signature import signature_of
 
 __all__ = [
     "DTensorOracle",
@@ -59,207 +69,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPLICATE = "R"
 MAX_PLACEMENT_COMBINATIONS = 512
 """Past this many input-placement combinations an op strategy function is offered all placements at once."""
-
-
-# ---------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True, order=True)
-class Strategy:
-    """One placement strategy on one mesh axis, in DTensor's words: ``S(d)``, ``R``, ``P(op)`` (``None``: no tensor)."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str | None, ...]
-
-    def __str__(self) -> str:
-        return f"{', '.join(self.inputs)} -> {', '.join('-' if out is None else out for out in self.outputs)}"
-
-    @property
-    def partial_inputs(self) -> tuple[int, ...]:
-        return tuple(index for index, placement in enumerate(self.inputs) if placement.startswith("P("))
-
-    @property
-    def is_trivial(self) -> bool:
-        """All inputs replicated: every op has it, it says nothing."""
-        return all(placement == REPLICATE for placement in self.inputs)
-
-
-@dataclass(frozen=True)
-class StrategyFinding:
-    """A strategy one side has and the other lacks, with why (when known)."""
-
-    strategy: Strategy
-    reason: str
-
-
-@dataclass(frozen=True)
-class ExecutionCheck:
-    """One factor (or partial pass) of our rule, re-run on real shards and recombined."""
-
-    what: str
-    """The factor as a strategy (``S(0), R -> S(0)``), or ``pass 0:sum``."""
-    shards: int
-    ok: bool | None
-    """True: recombined output matches; False: the rule is wrong; None: not checkable here (see detail)."""
-    max_abs_error: float
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class SignatureComparison:
-    """Our rule against DTensor for one op signature (op, input shapes and dtypes, other arguments)."""
-
-    op_target: str
-    signature: str
-    example_node: str
-    rule_text: str
-    dtensor: str
-    """``"registered"``, or why DTensor could not be asked (no strategy for the op, it raised...)."""
-    agreements: tuple[Strategy, ...]
-    only_ours: tuple[StrategyFinding, ...]
-    only_dtensor: tuple[StrategyFinding, ...]
-    checks: tuple[ExecutionCheck, ...]
-
-    @property
-    def wrong(self) -> tuple[ExecutionCheck, ...]:
-        return tuple(check for check in self.checks if check.ok is False)
-
-    @property
-    def dtensor_wrong(self) -> tuple[StrategyFinding, ...]:
-        """DTensor-only strategies that fail the execution re-check (DTensor bugs)."""
-        return tuple(finding for finding in self.only_dtensor if finding.reason.startswith(DTENSOR_WRONG))
-
-
-@dataclass(frozen=True)
-class OpReport:
-    """Counts for one op target over all its signatures."""
-
-    op_target: str
-    signatures: int
-    dtensor_registered: int
-    """Signatures DTensor could answer."""
-    agreements: int
-    only_ours: int
-    only_dtensor: int
-    checks_passed: int
-    checks_failed: int
-    checks_skipped: int
-    dtensor_wrong: int
-    """DTensor-only strategies that fail the execution re-check."""
-    examples: tuple[str, ...] = ()
-    """A few only-ours / only-DTensor / wrong lines, with reasons, for the report."""
-
-
-@dataclass(frozen=True)
-class OracleReport:
-    """The verification of a set of graphs' rules; counts summed over :attr:`ops`."""
-
-    models: tuple[str, ...]
-    nodes: int
-    nodes_with_rule: int
-    mesh_size: int
-    ops: tuple[OpReport, ...]
-    comparisons: tuple[SignatureComparison, ...]
-
-    def _total(self, name: str) -> int:
-        return sum(getattr(op, name) for op in self.ops)
-
-    @property
-    def signatures(self) -> int:
-        return self._total("signatures")
-
-    @property
-    def dtensor_registered(self) -> int:
-        return self._total("dtensor_registered")
-
-    @property
-    def agreements(self) -> int:
-        return self._total("agreements")
-
-    @property
-    def only_ours(self) -> int:
-        return self._total("only_ours")
-
-    @property
-    def only_dtensor(self) -> int:
-        return self._total("only_dtensor")
-
-    @property
-    def checks_passed(self) -> int:
-        return self._total("checks_passed")
-
-    @property
-    def checks_failed(self) -> int:
-        return self._total("checks_failed")
-
-    @property
-    def checks_skipped(self) -> int:
-        return self._total("checks_skipped")
-
-    @property
-    def dtensor_wrong(self) -> int:
-        return self._total("dtensor_wrong")
-
-    @property
-    def wrong_rules(self) -> tuple[SignatureComparison, ...]:
-        return tuple(comparison for comparison in self.comparisons if comparison.wrong)
-
-    def only_dtensor_reasons(self) -> dict[str, int]:
-        """How many only-DTensor strategies each kind of reason explains (details in parentheses dropped)."""
-        counts: dict[str, int] = defaultdict(int)
-        for comparison in self.comparisons:
-            for finding in comparison.only_dtensor:
-                counts[finding.reason.split(" (", 1)[0]] += 1
-        return dict(sorted(counts.items(), key=lambda item: -item[1]))
-
-
-# ---------------------------------------------------------------------------- our side
-
-
-def rule_strategies(rule: Rule) -> tuple[dict[Strategy, str], dict[Strategy, str]]:
-    """Our rule as one-axis strategies: ``(comparable, not_comparable)``, each strategy -> the factor's text.
-
-    Factors with block-cyclic (``chunk``) or overlapping (``halo``) outputs have no DTensor
-    placement; they land in ``not_comparable``.
-    """
-    comparable: dict[Strategy, str] = {}
-    other: dict[Strategy, str] = {}
-    for factor in rule.factors:
-        strategy, plain = _factor_strategy(factor)
-        (comparable if plain else other)[strategy] = str(strategy)
-    for partial in rule.partial_passes:
-        strategy = _pass_strategy(rule, partial)
-        comparable[strategy] = f"pass {partial.input}:{partial.op}"
-    return comparable, other
-
-
-def _factor_strategy(factor: Factor) -> tuple[Strategy, bool]:
-    inputs = tuple(
-        f"S({dim})" if dim is not None else f"P({factor.partial_op})" if index in factor.partial_inputs else REPLICATE
-        for index, dim in enumerate(factor.inputs)
-    )
-    outputs: list[str | None] = []
-    plain = True
-    for out in factor.outputs:
-        if out is None:
-            outputs.append(None)
-        elif isinstance(out, Concat):
-            plain = plain and out.chunk == 1 and out.halo == 0
-            outputs.append(f"S({out.dim})" if out.chunk == 1 and out.halo == 0 else f"S({out.dim},chunk={out.chunk},halo={out.halo})")
-        elif isinstance(out, Reduce):
-            outputs.append(f"P({out.op})")
-        else:
-            outputs.append(REPLICATE)
-    return Strategy(inputs, tuple(outputs)), plain
-
-
-def _pass_strategy(rule: Rule, partial: PartialPass) -> Strategy:
-    inputs = tuple(f"P({partial.op})" if index == partial.input else REPLICATE for index in range(len(rule.input_ranks)))
-    outputs = tuple(None if rank is None else f"P({partial.op})" for rank in rule.output_ranks)
-    return Strategy(inputs, outputs)
 
 
 # ---------------------------------------------------------------------------- DTensor's side
@@ -466,8 +277,6 @@ def compare_node(node: Node, graph: Graph, rule: Rule, oracle: DTensorOracle, ex
     )
 
 
-DTENSOR_WRONG = "WRONG in DTensor"
-"""How the reason of a DTensor-only strategy that fails the execution re-check begins."""
 
 
 def _dtensor_finding(strategy: Strategy, call: OpCall, rule: Rule, executor: OpExecutor, seed: int) -> str:
@@ -560,211 +369,6 @@ NOT_DISCOVERED = "not discovered by ShardCombine"
 PASS_NOT_OURS = "partial pass-through not in our rule"
 
 
-# ---------------------------------------------------------------------------- execution re-check
-
-#: Fresh sizes for the re-check, ascending: multiples of 4 (discovery's stand-ins are multiples of 6).
-FRESH_SIZES = (8, 16, 20, 28, 32, 40, 44, 52, 56, 64)
-TINY_SCALE = 1e-6
-"""The second re-check draw multiplies floating inputs by this (see :func:`check_rule_by_execution`)."""
-RECHECK_RTOL = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-"""Relative tolerance of the re-check per output dtype, times the largest magnitude among the whole output and
-the terms recombined (other dtypes: exact)."""
-
-
-def check_rule_by_execution(call: OpCall, rule: Rule, executor: OpExecutor, *, seed: int = 20261130) -> tuple[ExecutionCheck, ...]:
-    """Re-run every factor and partial pass of ``rule`` on fresh shapes, data and shard counts, and recombine.
-
-    Shapes: every distinct size > 1 maps to :data:`FRESH_SIZES` (order and equalities kept); where
-    the executor cannot express the op on them (some reshapes), the node's own shapes. Shards: 4 even
-    pieces where the size allows (else 2 or 3). Data: one draw at the executor's magnitudes and one
-    scaled by :data:`TINY_SCALE`, so that an additive constant below float32's resolution at
-    magnitude 1 (``x + 1e-8``) cannot hide in the tolerance. Recombination and tolerances are this
-    module's own. A label fails if it fails on either draw.
-    """
-    labels = _labels(rule)
-    if call.node.op.is_random or op_name(call.target) in UNINITIALIZED_OPS:
-        return tuple(ExecutionCheck(label, 0, None, 0.0, "random or uninitialized output: values not comparable") for label in labels)
-    results: dict[str, ExecutionCheck] = {}
-    for scale in (1.0, TINY_SCALE):
-        rng = np.random.default_rng(seed)
-        try:
-            inputs, whole = _fresh_draw(call, executor, rng, scale)
-        except Exception as err:  # the op rejects fresh inputs on both shape choices: report, do not guess
-            detail = f"op does not run on fresh inputs (scale {scale:g}): {type(err).__name__}: {str(err).splitlines()[0][:100]}"
-            checks = [ExecutionCheck(label, 0, None, 0.0, detail) for label in labels]
-        else:
-            checks = [_check_factor(call, executor, factor, inputs, whole) for factor in rule.factors]
-            checks += [_check_pass(call, executor, rule, partial, inputs, whole, rng) for partial in rule.partial_passes]
-        for check in checks:
-            if scale != 1.0 and check.detail:
-                check = replace(check, detail=f"{check.detail} (inputs scaled by {scale:g})")
-            earlier = results.get(check.what)
-            if earlier is None or (earlier.ok is None and check.ok is not None) or (earlier.ok and check.ok is False):
-                results[check.what] = check
-    return tuple(results[label] for label in labels)
-
-
-def _labels(rule: Rule) -> list[str]:
-    return [str(_factor_strategy(factor)[0]) for factor in rule.factors] + [
-        f"pass {partial.input}:{partial.op}" for partial in rule.partial_passes
-    ]
-
-
-def _fresh_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...] | None:
-    distinct = sorted({size for shape in shapes for size in shape if size > 1})
-    if len(distinct) > len(FRESH_SIZES):
-        return None
-    mapping = dict(zip(distinct, FRESH_SIZES)) | {0: 0, 1: 1}
-    return tuple(tuple(mapping[size] for size in shape) for shape in shapes)
-
-
-def _fresh_draw(call: OpCall, executor: OpExecutor, rng: np.random.Generator, scale: float) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-    errors = []
-    for shapes in (_fresh_shapes(call.input_shapes), call.input_shapes):
-        if shapes is None:
-            continue
-        try:
-            inputs = [x * x.dtype.type(scale) if x.dtype.kind == "f" else x for x in executor.example_inputs(call, rng, shapes)]
-            whole = executor.run(call, inputs)
-            if not all(out is None or out.dtype.kind not in "fc" or np.isfinite(out).all() for out in whole):
-                inputs = [np.abs(x) if x.dtype.kind == "f" else x for x in inputs]  # sqrt, log, pow...
-                whole = executor.run(call, inputs)
-            return inputs, whole
-        except Exception as err:  # e.g. ExecutionRefused for a reshape on fresh shapes: try the real ones
-            errors.append(err)
-    raise errors[-1]
-
-
-def _shard_count(size: int) -> int | None:
-    return next((count for count in (4, 2, 3) if count <= size and size % count == 0), None)
-
-
-def _check_factor(call: OpCall, executor: OpExecutor, factor: Factor, inputs: Sequence[np.ndarray], whole: Sequence[np.ndarray | None]) -> ExecutionCheck:
-    strategy, plain = _factor_strategy(factor)
-    label = str(strategy)
-    if not plain:
-        return ExecutionCheck(label, 0, None, 0.0, "block-cyclic/halo factor: not re-checked")
-    size = factor.size(tuple(x.shape for x in inputs))
-    shards = _shard_count(size)
-    if shards is None:
-        return ExecutionCheck(label, 0, None, 0.0, f"factor size {size} splits into no 2, 3 or 4 even pieces")
-    if any(inputs[index].dtype.kind != "f" for index in factor.partial_inputs):
-        return ExecutionCheck(label, shards, None, 0.0, "an affine factor with a non-floating Partial input: not re-checked")
-    worst = 0.0
-    # An affine factor's Partial(sum) inputs are cut as the lowering cuts them (the value on shard 0,
-    # zeros elsewhere) and into random terms as large as the value (as a Partial producer would).
-    for cut in ("first shard", "random terms") if factor.partial_inputs else ("",):
-        terms = {index: _sum_terms(inputs[index], shards, cut, np.random.default_rng([index, shards])) for index in factor.partial_inputs}
-        pieces = []
-        for shard in range(shards):
-            local = [
-                terms[index][shard] if index in terms else x if dim is None else np.array_split(x, shards, axis=dim)[shard]
-                for index, (x, dim) in enumerate(zip(inputs, factor.inputs))
-            ]
-            try:
-                pieces.append(executor.run(call, local))
-            except ExecutionRefused as err:
-                return ExecutionCheck(label, shards, None, 0.0, f"the executor cannot express the op on a shard: {err}")
-            except Exception as err:  # the op rejects a shard although the rule says it runs there
-                return ExecutionCheck(label, shards, False, math.inf, f"the op fails on a shard: {type(err).__name__}: {str(err)[:100]}")
-        for index, (combine, expected) in enumerate(zip(factor.outputs, whole)):
-            if combine is None or expected is None:
-                continue
-            dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
-            ok, error, detail = _recombines(combine, [piece[index] for piece in pieces], expected, dtype, _input_rtol(inputs))
-            worst = max(worst, error)
-            if not ok:
-                where = f" (Partial inputs as {cut})" if cut else ""
-                return ExecutionCheck(label, shards, False, error, f"output {index}{where}: {detail}")
-    return ExecutionCheck(label, shards, True, worst)
-
-
-def _sum_terms(value: np.ndarray, shards: int, cut: str, rng: np.random.Generator) -> list[np.ndarray]:
-    """``shards`` terms adding up to ``value``: the value then zeros, or random terms as large as the value."""
-    if cut == "first shard":
-        return [value] + [np.zeros_like(value) for _ in range(shards - 1)]
-    magnitude = np.abs(value) + 0.1 * float(np.max(np.abs(value), initial=0.0))
-    terms = [(rng.standard_normal(value.shape) * magnitude).astype(value.dtype) for _ in range(shards - 1)]
-    return terms + [(value - sum(terms)).astype(value.dtype)]
-
-
-def _input_rtol(inputs: Sequence[np.ndarray]) -> float:
-    """The loosest re-check tolerance among the floating inputs (0 if none)."""
-    return max([RECHECK_RTOL.get(str(x.dtype), 0.0) for x in inputs], default=0.0)
-
-
-def _recombines(combine: Any, pieces: list[np.ndarray | None], expected: np.ndarray, dtype: str, input_rtol: float) -> tuple[bool, float, str]:
-    """Recombine per-shard outputs and compare with the whole output: (ok, largest difference, why not)."""
-    if any(piece is None for piece in pieces):
-        return False, math.inf, "a shard produced no output"
-    arrays = [np.asarray(piece) for piece in pieces]
-    if isinstance(combine, Concat):
-        try:
-            got = np.concatenate(arrays, axis=combine.dim)
-        except ValueError as err:
-            return False, math.inf, f"pieces do not concatenate along dim {combine.dim}: {err}"
-        return _compare(got, expected, dtype, arrays, input_rtol)
-    if any(array.shape != expected.shape for array in arrays):
-        return False, math.inf, f"piece shapes {[a.shape for a in arrays]} differ from the whole {expected.shape}"
-    if isinstance(combine, Identity):
-        results = [_compare(array, expected, dtype, arrays, input_rtol) for array in arrays]
-        worst = max(result[1] for result in results)
-        return all(result[0] for result in results), worst, "a shard's output differs from the whole"
-    stacked = np.stack([array.astype(np.float64) if array.dtype.kind == "f" else array for array in arrays])
-    got = stacked.sum(axis=0) if combine.op == "sum" else stacked.max(axis=0) if combine.op == "max" else stacked.min(axis=0)
-    return _compare(got, expected, dtype, arrays, input_rtol)
-
-
-def _compare(got: np.ndarray, expected: np.ndarray, dtype: str, terms: Sequence[np.ndarray], input_rtol: float) -> tuple[bool, float, str]:
-    if got.shape != expected.shape:
-        return False, math.inf, f"recombined shape {got.shape} differs from the whole {expected.shape}"
-    rtol = RECHECK_RTOL.get(dtype)
-    if rtol is not None:  # a float64 output of float32 inputs is only as precise as float32
-        rtol = max(rtol, input_rtol)
-    if rtol is None:
-        equal = bool(np.array_equal(got.astype(expected.dtype), expected))
-        return equal, 0.0 if equal else math.inf, "differs from the whole result (exact dtype)"
-    got64, expected64 = got.astype(np.float64), expected.astype(np.float64)
-    if not (np.isfinite(got64).all() and np.isfinite(expected64).all()):
-        same = bool(np.array_equal(got64, expected64, equal_nan=True))
-        return same, 0.0 if same else math.inf, "non-finite values differ"
-    error = float(np.max(np.abs(got64 - expected64), initial=0.0))
-    scale = max([float(np.max(np.abs(expected64), initial=0.0))] + [float(np.max(np.abs(t), initial=0.0)) for t in terms])
-    return error <= rtol * scale, error, f"differs from the whole result by {error:.3g} (tolerance {rtol * scale:.3g})"
-
-
-def _check_pass(call: OpCall, executor: OpExecutor, rule: Rule, partial: PartialPass, inputs: Sequence[np.ndarray], whole: Sequence[np.ndarray | None], rng: np.random.Generator) -> ExecutionCheck:
-    """Split one input into partial terms (adding up, or elementwise max/min), run each, reduce the outputs."""
-    label = f"pass {partial.input}:{partial.op}"
-    value = inputs[partial.input]
-    if value.dtype.kind != "f":
-        return ExecutionCheck(label, 0, None, 0.0, "non-floating input: not re-checked")
-    shards = 4
-    if partial.op == "sum":
-        magnitude = np.abs(value) + 0.1 * float(np.max(np.abs(value), initial=0.0))  # terms as large as the value
-        terms = [(rng.standard_normal(value.shape) * magnitude).astype(value.dtype) for _ in range(shards - 1)]
-        terms.append(value - sum(terms))
-    else:  # each term at most (least) the value, one term holding it, element by element
-        owner = rng.integers(0, shards, value.shape)
-        sign = -1.0 if partial.op == "max" else 1.0
-        step = max(float(np.max(np.abs(value), initial=0.0)), float(np.finfo(value.dtype).tiny))
-        terms = [np.where(owner == k, value, value + sign * step * rng.uniform(0.1, 1.0, value.shape)).astype(value.dtype) for k in range(shards)]
-    try:
-        pieces = [executor.run(call, [term if index == partial.input else x for index, x in enumerate(inputs)]) for term in terms]
-    except Exception as err:  # the op rejects a term (a domain error): the pass claims it runs
-        return ExecutionCheck(label, shards, False, math.inf, f"the op fails on a partial term: {type(err).__name__}: {str(err)[:100]}")
-    worst = 0.0
-    for index, expected in enumerate(whole):
-        if rule.output_ranks[index] is None or expected is None:
-            continue
-        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
-        ok, error, detail = _recombines(Reduce(partial.op), [piece[index] for piece in pieces], expected, dtype, _input_rtol(inputs))
-        worst = max(worst, error)
-        if not ok:
-            return ExecutionCheck(label, shards, False, error, f"output {index}: {detail}")
-    return ExecutionCheck(label, shards, True, worst)
-
-
 # ---------------------------------------------------------------------------- whole graphs
 
 
@@ -786,54 +390,4 @@ def verify_graph(
         key = signature_of(op_call(graph, node)).key
         if key not in seen:
             seen[key] = compare_node(node, graph, rule, oracle, executor, seed=seed)
-    return _report((model or graph.name,), len(graph.nodes), len(rules), oracle.mesh_size, seen.values())
-
-
-def merge_reports(reports: Iterable[OracleReport]) -> OracleReport:
-    """One report over several graphs; a signature shared by two graphs is counted once."""
-    reports = list(reports)
-    if not reports:
-        raise OracleError("there are no reports to merge: verify at least one model")
-    seen: dict[str, SignatureComparison] = {}
-    for report in reports:
-        for comparison in report.comparisons:
-            seen.setdefault(comparison.signature, comparison)
-    return _report(
-        tuple(model for report in reports for model in report.models),
-        sum(report.nodes for report in reports),
-        sum(report.nodes_with_rule for report in reports),
-        reports[0].mesh_size,
-        seen.values(),
-    )
-
-
-def _report(models: tuple[str, ...], nodes: int, nodes_with_rule: int, mesh_size: int, comparisons: Iterable[SignatureComparison]) -> OracleReport:
-    by_op: dict[str, list[SignatureComparison]] = defaultdict(list)
-    for comparison in comparisons:
-        by_op[comparison.op_target].append(comparison)
-    ops = []
-    for op_target in sorted(by_op):
-        group = by_op[op_target]
-        checks = [check for comparison in group for check in comparison.checks]
-        examples: list[str] = []
-        for comparison in group:
-            examples += [f"wrong: {check.what} ({check.detail}, max error {check.max_abs_error:.3g})" for check in comparison.wrong]
-            examples += [f"only ours: {finding.strategy} ({finding.reason})" for finding in comparison.only_ours]
-            examples += [f"only DTensor: {finding.strategy} ({finding.reason})" for finding in comparison.only_dtensor]
-        ops.append(
-            OpReport(
-                op_target=op_target,
-                signatures=len(group),
-                dtensor_registered=sum(comparison.dtensor == "registered" for comparison in group),
-                agreements=sum(len(comparison.agreements) for comparison in group),
-                only_ours=sum(len(comparison.only_ours) for comparison in group),
-                only_dtensor=sum(len(comparison.only_dtensor) for comparison in group),
-                checks_passed=sum(check.ok is True for check in checks),
-                checks_failed=sum(check.ok is False for check in checks),
-                checks_skipped=sum(check.ok is None for check in checks),
-                dtensor_wrong=sum(len(comparison.dtensor_wrong) for comparison in group),
-                examples=tuple(dict.fromkeys(examples))[:6],
-            )
-        )
-    ordered = tuple(sorted(comparisons, key=lambda comparison: (comparison.op_target, comparison.signature)))
-    return OracleReport(models, nodes, nodes_with_rule, mesh_size, tuple(ops), ordered)
+    return report_of((model or graph.name,), len(graph.nodes), len(rules), oracle.mesh_size, seen.values())

@@ -23,7 +23,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
