@@ -14,10 +14,10 @@ import json
 import os
 import subprocess
 import sys
-from typing import Sequence
 
 import numpy as np
 import pytest
+from numpy_executor import NumpyExecutor
 
 from metadist.frontends.torch.discovery import TorchExecutor
 from metadist.ir import Factor, Mesh, MetaOp, Node, Partial, Reduce, Replicate, Rule, RuleError, Shard, TensorSpec, Value, ValueRef, parse_rule
@@ -92,23 +92,7 @@ _NUMPY_OPS = {
 }
 
 
-class NumpyExecutor:
-    """The OpExecutor protocol for the numpy ops above (float64)."""
-
-    framework = "numpy"
-    framework_version = np.__version__
-
-    def adapt(self, call: OpCall, shapes: Sequence[tuple[int, ...]]) -> OpCall:
-        return OpCall(call.node, tuple(TensorSpec(tuple(s), spec.dtype) for s, spec in zip(shapes, call.input_specs)))
-
-    def run(self, call: OpCall, inputs: Sequence[np.ndarray]) -> list[np.ndarray | None]:
-        return _NUMPY_OPS[call.target](*inputs)
-
-    def example_inputs(self, call: OpCall, rng: np.random.Generator, shapes) -> list[np.ndarray]:
-        return [rng.choice([-1.0, 1.0], size=s) * rng.uniform(0.5, 1.5, size=s) for s in shapes]
-
-
-NUMPY = NumpyExecutor()
+NUMPY = NumpyExecutor(_NUMPY_OPS)
 
 
 def np_call(target: str, shapes: list[tuple[int, ...]], out_shape: tuple[int, ...]) -> OpCall:

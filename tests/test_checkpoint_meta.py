@@ -32,13 +32,7 @@ SCRIPT = textwrap.dedent(
     optimizer = workload.optimizer(model.parameters())
     reference = metadist.materialize(copy.deepcopy(model), seed=7)
 
-    def train_step(model, optimizer, batch):
-        loss = workload.loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    train_step = workload.train_step()  # loss, backward, optimizer step, zero_grad
     step = metadist.compile(train_step, mesh=(2,), plan="zero3", init_seed=7)
     step.prepare(model, optimizer, workload.batch)
     assert all(p.device.type == "meta" for p in model.parameters()), "the user's model stays on meta"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Sequence
 
 import numpy as np
 import pytest
+from numpy_executor import NumpyExecutor
 
 from metadist.ir import Concat, Identity, MetaOp, Node, Reduce, Rule, TensorSpec, Value, ValueRef
 from metadist.shardcombine import (
@@ -56,29 +56,13 @@ _NUMPY_OPS = {
 }
 
 
-class NumpyExecutor:
-    """The OpExecutor protocol, for a handful of numpy ops (no shape-carrying arguments)."""
-
-    framework = "numpy"
-    framework_version = np.__version__
-
-    def adapt(self, call: OpCall, shapes: Sequence[tuple[int, ...]]) -> OpCall:
-        return OpCall(call.node, tuple(TensorSpec(tuple(s), spec.dtype) for s, spec in zip(shapes, call.input_specs)))
-
-    def run(self, call: OpCall, inputs: Sequence[np.ndarray]) -> list[np.ndarray | None]:
-        return _NUMPY_OPS[call.target](*inputs)
-
-    def example_inputs(self, call: OpCall, rng: np.random.Generator, shapes) -> list[np.ndarray]:
-        return [rng.choice([-1.0, 1.0], size=s) * rng.uniform(0.5, 1.5, size=s) for s in shapes]
-
-
 def np_call(target: str, shapes: list[tuple[int, ...]], out_shapes: list[tuple[int, ...]], tags=()) -> OpCall:
     refs = tuple(ValueRef(f"x{i}") for i in range(len(shapes)))
     outs = tuple(Value(f"y{i}", TensorSpec(s, "float64")) for i, s in enumerate(out_shapes))
     return OpCall(Node("n", MetaOp(target, frozenset(tags)), refs, (), outs), tuple(TensorSpec(s, "float64") for s in shapes))
 
 
-EXECUTOR = NumpyExecutor()
+EXECUTOR = NumpyExecutor(_NUMPY_OPS)
 
 
 def test_numpy_executor_implements_the_protocol():
