@@ -167,7 +167,7 @@ def addmm(bias_shape=(4,), kwargs=()):
         (aten("convolution.default", (X, Y, Z, (1,), (0,), (1,), False, (0,), 1), [(2, 6, 10), (4, 6, 3), (4,)], (2, 4, 8)),
          "ab_,cb_,c->ac_ | b:sum+2 | pass 2:max 2:min"),
         (aten("convolution.default", (X, Y, Z, (1, 1), (1, 1), (1, 1), False, (0, 0), 1), [(2, 6, 5, 5), (4, 6, 3, 3), (4,)], (2, 4, 5, 5)),
-         "ab__,cb__,c->ac__ | b:sum+2 | pass 2:max 2:min"),
+         "abcd,eb__,e->aecd | b:sum+2 c:halo=1 d:halo=1 | pass 2:max 2:min"),  # padded: H and W split with a halo of 1
         # unchanged: no input lacks the factor (mm, bmm), or the conv has no bias
         (aten("mm.default", (X, Y), [(8, 16), (16, 4)], (8, 4)), "ab,bc->ac | b:sum | pass 0:sum 1:sum"),
         (aten("bmm.default", (X, Y), [(2, 8, 16), (2, 16, 4)], (2, 8, 4)), "abc,acd->abd | c:sum | pass 0:sum 1:sum"),

@@ -17,7 +17,7 @@ from .cluster import (
     resolve_cluster,
 )
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, bucketing_for
-from .comm import Collective, Resharding, collective_seconds, reshard
+from .comm import Collective, Resharding, collective_seconds, halo_exchange_bytes, halo_exchange_seconds, reshard
 from .compute import Work, compute_seconds, node_work, split_degree
 from .memory import Liveness, ValueLife, liveness
 from .sharding import is_divisible, local_nbytes, shard_divisor

@@ -20,6 +20,11 @@ Shard(i) -> Partial    all-gather           as Shard -> Replicate
 Axes that shrink the buffer (to Shard) go first, then the gathers and all-reduces, so that
 each collective moves as little as possible (the order DTensor's redistribute favours).
 
+A node whose strategy takes a halo factor (:attr:`metadist.ir.plan.NodeStrategy.halos`) first
+exchanges border elements on that axis (:func:`halo_exchange_seconds`): the runtime all-gathers
+each rank's ``h`` first and ``h`` last elements of the split dim (``2h`` slices), so each rank
+sends ``(n-1) 2h`` slices, priced as that all-gather.
+
 A collective the runtime runs in a bucket with others (:mod:`.bucketing`) pays only
 ``fixed_share`` of its fixed cost (the ``alpha`` terms and ``call_overhead_s``); the
 bandwidth term is paid in full. All-to-alls are never bucketed.
@@ -119,3 +124,31 @@ def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster, fi
         seconds, sent = collective_seconds(kind, buffer_bytes, mesh.shape[axis], cluster.link(axis), fixed_share)
         collectives.append(Collective(kind=kind, axis=axis, comm_bytes=sent, comm_s=seconds))
     return Resharding(tuple(collectives))
+
+
+def halo_exchange_bytes(spec: TensorSpec, sharding: Sequence, axis: int, halo: int, mesh) -> float:
+    """The buffer one rank contributes to the halo exchange of ``spec`` on ``axis``: ``2 * halo`` slices of its dim."""
+    placement = sharding[axis]
+    if not isinstance(placement, Shard) or mesh.shape[axis] <= 1:
+        return 0.0
+    local = local_nbytes(spec, sharding, mesh)
+    extent = spec.shape[placement.dim]
+    for other, item in enumerate(sharding):
+        if item == placement:
+            extent //= mesh.shape[other]
+    return local / max(extent, 1) * 2 * halo
+
+
+def halo_exchange_seconds(input_specs: Sequence[TensorSpec], strategy, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of the halo exchanges before a node under ``strategy`` (0 without halos)."""
+    seconds = sent = 0.0
+    mesh = cluster.mesh
+    for axis, halo in enumerate(getattr(strategy, "halos", ()) or ()):
+        if not halo:
+            continue
+        for spec, sharding in zip(input_specs, strategy.inputs):
+            buffer_bytes = halo_exchange_bytes(spec, sharding, axis, halo, mesh)
+            if buffer_bytes:
+                step_s, step_bytes = collective_seconds("all_gather", buffer_bytes, mesh.shape[axis], cluster.link(axis))
+                seconds, sent = seconds + step_s, sent + step_bytes
+    return seconds, sent

@@ -16,6 +16,8 @@ Per-axis choices (:class:`AxisChoice`):
 - ``factor``: the axis takes factor ``index`` of the node's rule: inputs are
   ``Shard(dim)`` where the factor sits (``Replicate()`` elsewhere), outputs
   ``Shard(dim)``/``Partial(op)``/``Replicate()`` per the factor's combination.
+  A halo factor also sets the axis's entry of :attr:`NodeStrategy.halos`: the
+  lowering exchanges border elements before the op and trims after it.
 - ``partial``: input ``index`` arrives ``Partial(op)`` and passes through
   (a ``PartialPass`` of the rule): other inputs ``Replicate()``, outputs ``Partial(op)``.
 """
@@ -75,13 +77,28 @@ class NodeStrategy:
     """One sharding per tensor input, in the node's flattened input order (``Node.input_names``)."""
     outputs: tuple[Sharding | None, ...]
     """One sharding per output; None where the op produces no tensor."""
+    halos: tuple[int, ...] = ()
+    """Per mesh axis, the halo width of a halo factor taken there (0: none; empty: no halo anywhere).
+
+    On an axis with width ``h``, every input sharded ``Shard(d)`` on it is extended by ``h`` elements
+    of ``d`` from its neighbours on that axis (zeros at the global borders) before the op, and every
+    output sharded ``Shard(d)`` on it is trimmed by ``h * m / n`` at each end after it (the halo
+    contract of :mod:`metadist.ir.rule`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "halos", tuple(self.halos) if any(self.halos) else ())
+        if self.halos and len(self.halos) != len(self.choices):
+            raise PlanError(f"a strategy has {len(self.choices)} axis choices but {len(self.halos)} halo widths")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "choices": [[choice.kind, choice.index, choice.op] for choice in self.choices],
             "inputs": [format_sharding(sharding) for sharding in self.inputs],
             "outputs": [None if sharding is None else format_sharding(sharding) for sharding in self.outputs],
         }
+        if self.halos:
+            data["halos"] = list(self.halos)
+        return data
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "NodeStrategy":
@@ -89,6 +106,7 @@ class NodeStrategy:
             choices=tuple(AxisChoice(kind, index, op) for kind, index, op in data["choices"]),
             inputs=tuple(parse_sharding(text) for text in data["inputs"]),
             outputs=tuple(None if text is None else parse_sharding(text) for text in data["outputs"]),
+            halos=tuple(data.get("halos", ())),
         )
 
 
@@ -97,7 +115,8 @@ def strategy_from_choices(rule: Rule, choices: tuple[AxisChoice, ...]) -> NodeSt
     n_inputs, n_outputs = len(rule.input_ranks), len(rule.output_ranks)
     inputs: list[list[Placement]] = [[] for _ in range(n_inputs)]
     outputs: list[list[Placement]] = [[] for _ in range(n_outputs)]
-    for choice in choices:
+    halos = [0] * len(choices)
+    for axis, choice in enumerate(choices):
         if choice.kind == "replicate":
             in_place = [Replicate()] * n_inputs
             out_place = [Replicate()] * n_outputs
@@ -114,8 +133,8 @@ def strategy_from_choices(rule: Rule, choices: tuple[AxisChoice, ...]) -> NodeSt
                 if combine is None:
                     out_place.append(Replicate())
                 elif isinstance(combine, Concat):
-                    if combine.chunk != 1 or combine.halo != 0:
-                        raise PlanError(f"factor {factor} recombines with chunk/halo, which a plan cannot express yet")
+                    if combine.chunk != 1:
+                        raise PlanError(f"factor {factor} recombines block-cyclically (chunk), which a plan cannot express")
                     out_place.append(Shard(combine.dim))
                 elif isinstance(combine, Reduce):
                     out_place.append(Partial(combine.op))
@@ -123,6 +142,10 @@ def strategy_from_choices(rule: Rule, choices: tuple[AxisChoice, ...]) -> NodeSt
                     out_place.append(Replicate())
                 else:  # pragma: no cover - Combine is closed
                     raise RuleError(f"unknown combination {combine!r}")
+            if factor.halo:
+                if any(other == choice for other in choices[:axis]):
+                    raise PlanError(f"halo factor {factor} taken by two mesh axes: the halo's neighbours would not be adjacent")
+                halos[axis] = factor.halo
         else:
             passes = {(p.input, p.op) for p in rule.partial_passes}
             if (choice.index, choice.op) not in passes:
@@ -137,6 +160,7 @@ def strategy_from_choices(rule: Rule, choices: tuple[AxisChoice, ...]) -> NodeSt
         choices=tuple(choices),
         inputs=tuple(tuple(slot) for slot in inputs),
         outputs=tuple(None if rank is None else tuple(slot) for slot, rank in zip(outputs, rule.output_ranks)),
+        halos=tuple(halos),
     )
 
 

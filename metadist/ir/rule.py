@@ -28,6 +28,36 @@ It is written ``letter:op+input`` (one ``+input`` per such input)::
 Splitting ``k`` with the bias replicated would add the bias once per shard; with
 the bias as ``Partial(sum)`` (its value on one shard, zeros on the others, or any
 parts that add up to it) the shards' outputs add up to ``bias + x @ w``.
+
+A **halo factor** (``Concat(dim, halo=h)``, ``h > 0``; written ``letter:halo=h``) splits
+windowed ops (convolution, pooling, padding) along a spatial dim whose output pieces
+need their neighbours' input. Exactly what it means, for a factor of size ``n`` (the
+extent of the dims it occupies) cut into contiguous pieces ``[a_r, b_r)``:
+
+1. every input that carries the factor is *extended* along its dim by ``h`` elements on
+   each side: ``[a_r - h, b_r + h)`` of the global input, where positions outside
+   ``[0, n)`` (beyond the global borders) hold **zeros**; every piece is at least ``h``
+   long, so a halo comes from the adjacent piece only;
+2. the op runs on the extended pieces with its arguments **unchanged** (its own padding
+   included);
+3. each output piece is *trimmed* by ``t = h * m / n`` elements at each end of its concat
+   dim (``m`` the output's global size there; ``t`` must be a whole number) and the trimmed
+   pieces concatenate into the whole output.
+
+Pieces must map to whole output elements (``(b_r - a_r) * m / n`` integral): stride-2
+ops split on even boundaries. Every present output of a halo factor is ``Concat`` with
+the same ``h`` (extended inputs would count overlapping rows twice in a reduction).
+Example, ``aten.convolution`` (3x3 kernel, padding 1, stride 1) on ``[N, C, H, W]``::
+
+    abcd,ebfg->aecd | b:sum c:halo=1 d:halo=1
+
+The width depends on the kernel's size, so ops that can carry halo factors have
+signatures with concrete sizes (:data:`metadist.shardcombine.signature.HALO_OPS`).
+
+A **block-cyclic** ``Concat(dim, chunk=k)`` (piece ``r`` made of ``k`` blocks, block ``j``
+of every piece side by side forming block ``j`` of the output) is representable, parsed
+and printed (``letter:chunk=k``), but ShardCombine does not discover it and plans do not
+express it (see ``docs`` in :mod:`metadist.shardcombine.halo`).
 """
 
 from __future__ import annotations
@@ -39,12 +69,19 @@ from typing import Any, Union
 
 from .placement import REDUCE_OPS
 
-RULE_FORMAT_VERSION = 2
-"""Version of the stored form (:meth:`Rule.to_dict`); 2 added ``Factor.partial_inputs`` (affine factors)."""
+RULE_FORMAT_VERSION = 3
+"""Version of the stored form (:meth:`Rule.to_dict`); 2 added ``Factor.partial_inputs`` (affine factors);
+3 gives ``Concat.halo`` its meaning (module docstring) and checks it (:attr:`Factor.halo`)."""
 
 
 class RuleError(ValueError):
     """A rule is malformed or does not fit the op it is applied to."""
+
+
+def halo_trim(halo: int, factor_size: int, output_size: int) -> int | None:
+    """Elements trimmed at each end of an output piece of a halo factor: ``halo * m / n``; None if not whole."""
+    trim, rest = divmod(halo * output_size, factor_size)
+    return None if rest else trim
 
 
 @dataclass(frozen=True)
@@ -102,6 +139,13 @@ class Factor:
         object.__setattr__(self, "partial_inputs", tuple(sorted(set(self.partial_inputs))))
         if all(dim is None for dim in self.inputs):
             raise RuleError("a factor must split at least one input")
+        halos = {out.halo for out in self.outputs if isinstance(out, Concat) and out.halo}
+        if halos:
+            present = [out for out in self.outputs if out is not None]
+            if len(halos) > 1 or any(not isinstance(out, Concat) or out.halo != next(iter(halos)) for out in present):
+                raise RuleError(f"factor {self}: a halo factor's outputs must all be Concat with one halo width")
+            if self.partial_inputs or any(out.chunk != 1 for out in present):  # type: ignore[union-attr]
+                raise RuleError(f"factor {self}: a halo factor cannot also be affine or block-cyclic")
         if self.partial_inputs:
             for index in self.partial_inputs:
                 if not 0 <= index < len(self.inputs) or self.inputs[index] is not None:
@@ -114,6 +158,11 @@ class Factor:
                     f"factor {self} has Partial inputs {list(self.partial_inputs)}, so every output must reduce "
                     "with one op (Reduce(sum), ...)"
                 )
+
+    @property
+    def halo(self) -> int:
+        """The halo width ``h`` of a halo factor (0 for any other factor); see the module docstring."""
+        return next((out.halo for out in self.outputs if isinstance(out, Concat) and out.halo), 0)
 
     @property
     def partial_op(self) -> str | None:

@@ -9,6 +9,9 @@ shardings; graph outputs are resharded to the plan's output shardings, and
 an updated state output must end in the sharding of the input it replaces,
 so that the next step can read it as it is.
 
+A node whose strategy takes a halo factor (``NodeStrategy.halos``) gets a halo
+exchange before it and a trim after it (:mod:`.halo`).
+
 Random ops draw the *global* tensor on every rank (from the same generator
 state, in graph order, so each rank sees exactly the values one device would
 draw) and keep the rank's slice: see :class:`RandomDraw`.
@@ -16,12 +19,13 @@ draw) and keep the rank's slice: see :class:`RandomDraw`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence, Union
 
-from ..ir import Graph, Mesh, Node, Partial, Replicate, Role, TensorSpec, ValueRef, format_sharding
+from ..ir import Graph, Mesh, Node, Partial, Replicate, Role, Shard, TensorSpec, ValueRef, format_sharding
 from ..ir.plan import Plan
 from .errors import LoweringError
+from .halo import halo_exchange_step, halo_trim_step
 from .reshard import COLLECTIVE_KINDS, ReshardStep, plan_resharding
 from .rewrite import NodeContext, rewrite_node_args
 from .shapes import local_shape, mesh_coordinates
@@ -194,7 +198,7 @@ class RankProgram:
                 add(item.kind, item.axis, item.comm_bytes)
             elif isinstance(item, Reshard):
                 for step in item.steps:
-                    if step.kind in COLLECTIVE_KINDS:
+                    if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
                         add(step.kind, step.axis, step.comm_bytes)
         return totals
 
@@ -298,7 +302,7 @@ class _Lowering:
                 if shape_only and index == 0:
                     return arg  # only its dtype and device are read: no resharding
                 what = f"input {index} (%{arg.name}) of node {node.name!r}"
-                return ValueRef(self.use(arg.name, strategy.inputs[index], what))
+                return ValueRef(self._halo_input(node, strategy, index, self.use(arg.name, strategy.inputs[index], what), what))
             if isinstance(arg, tuple):
                 return tuple(rename(item) for item in arg)
             return arg
@@ -312,7 +316,60 @@ class _Lowering:
         for value, sharding in zip(node.outputs, strategy.outputs):
             if value is not None:
                 self.sharding[value.name] = tuple(sharding)
+        if strategy.halos:
+            self._halo_op(node, strategy, LocalOp(node.name, target, args, tuple(kwargs.items()), outputs, ctx.output_local_shapes, random))
+            return
         self.instructions.append(LocalOp(node.name, target, args, tuple(kwargs.items()), outputs, ctx.output_local_shapes, random))
+
+    # -- halo factors (see metadist.lowering.halo) ---------------------------------------------
+    def _halo_input(self, node: Node, strategy, index: int, name: str, what: str) -> str:
+        """``name`` extended by its neighbours' border elements on every halo axis that shards it."""
+        sharding = tuple(strategy.inputs[index])
+        steps = []
+        spec = self.graph.value(node.input_names[index]).spec
+        local = local_shape(spec.shape, sharding, self.mesh, what=what)
+        for axis, halo in enumerate(strategy.halos):
+            if halo and isinstance(sharding[axis], Shard):
+                steps.append(halo_exchange_step(spec, sharding, local, axis, halo, self.mesh, self.coords, what))
+                local = steps[-1].local_shape_out
+        if not steps:
+            return name
+        target = f"{name}~halo.{node.name}.{index}"
+        self.instructions.append(Reshard(name, target, spec, sharding, sharding, tuple(steps)))
+        return target
+
+    def _halo_op(self, node: Node, strategy, op: LocalOp) -> None:
+        """The op on extended pieces (outputs 2t longer, named ``<output>~halo``), then each output trimmed."""
+        trims: list[tuple[str, str, TensorSpec, tuple, tuple[ReshardStep, ...]]] = []
+        shapes = []
+        for value, sharding, local in zip(node.outputs, strategy.outputs, op.output_local_shapes):
+            if value is None:
+                shapes.append(local)
+                continue
+            what = f"output %{value.name} of node {node.name!r}"
+            steps, current = [], tuple(local)
+            for axis, halo in reversed(list(enumerate(strategy.halos))):
+                if halo and isinstance(sharding[axis], Shard):
+                    size = self._halo_factor_size(node, strategy, axis)
+                    step = halo_trim_step(current, sharding[axis].dim, axis, halo, size, value.spec.shape[sharding[axis].dim],
+                                          self.mesh, self.coords, what)
+                    steps.insert(0, step)
+                    current = step.local_shape_in
+            shapes.append(current)
+            if steps:
+                trims.append((f"{value.name}~halo", value.name, value.spec, tuple(sharding), tuple(steps)))
+        renamed = {target: source for source, target, *_ in trims}
+        outputs = tuple(None if name is None else renamed.get(name, name) for name in op.outputs)
+        self.instructions.append(replace(op, outputs=outputs, output_local_shapes=tuple(shapes)))
+        for source, target, spec, sharding, steps in trims:
+            self.instructions.append(Reshard(source, target, spec, sharding, sharding, steps))
+
+    def _halo_factor_size(self, node: Node, strategy, axis: int) -> int:
+        """The global size of the dim a halo axis splits (read from the first input it shards)."""
+        for name, sharding in zip(node.input_names, strategy.inputs):
+            if isinstance(sharding[axis], Shard):
+                return self.graph.value(name).spec.shape[sharding[axis].dim]
+        raise LoweringError(f"node {node.name!r}: a halo on mesh axis {axis} but no input sharded on it; plan again")
 
     def _context(self, node: Node, strategy) -> NodeContext:
         input_specs = tuple(self.graph.value(name).spec for name in node.input_names)

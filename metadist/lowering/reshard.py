@@ -63,14 +63,17 @@ class ReshardStep:
     def __str__(self) -> str:
         detail = {"all_gather": f"dim {self.dim}", "reduce_scatter": f"{self.op}, dim {self.dim}",
                   "all_reduce": f"{self.op}", "all_to_all": f"dim {self.dim} -> {self.split_dim}",
-                  "local_slice": f"dim {self.dim}", "zero_partial": "sum"}[self.kind]
+                  "local_slice": f"dim {self.dim}", "zero_partial": "sum"}.get(self.kind)
+        if self.kind in ("halo_exchange", "halo_trim"):  # the width is half the change of the dim (lowering.halo)
+            width = abs(self.local_shape_out[self.dim] - self.local_shape_in[self.dim]) // 2
+            detail = f"dim {self.dim}, {'halo' if self.kind == 'halo_exchange' else 'trim'} {width}"
         return f"{self.kind}(axis {self.axis}, {detail}) {list(self.local_shape_in)} -> {list(self.local_shape_out)}"
 
 
 def comm_bytes(kind: str, axis_size: int, bytes_in: int, bytes_out: int) -> int:
     """Bytes one rank sends for a collective of ``kind`` on an axis of ``axis_size`` ranks."""
     k = axis_size
-    if kind == "all_gather":
+    if kind in ("all_gather", "halo_exchange"):  # a halo exchange all-gathers 2h border slices (lowering.halo)
         return bytes_out * (k - 1) // k
     if kind == "reduce_scatter":
         return bytes_in * (k - 1) // k

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..lowering import CoalescedReshard, ReshardStep, comm_bytes
 
-__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps", "run_coalesced"]
+__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps", "run_coalesced", "apply_halo_step", "halo_trim"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,24 @@ class Collectives(torch.nn.Module):
         out = torch.cat(received.unbind(0), dim=gather_dim)  # (..., n_gather, ..., n_split/k, ...)
         self._record("all_to_all", axis, _nbytes(tensor), _nbytes(out))
         return out
+
+    def halo_exchange(self, tensor: torch.Tensor, axis: int, dim: int, halo: int, coordinate: int) -> torch.Tensor:
+        """``tensor`` extended by ``halo`` elements of ``dim`` on each side from its neighbours on ``axis`` (zeros at the ends).
+
+        One all-gather of every rank's first and last ``halo`` elements (``2 halo`` slices); rank ``c``
+        keeps the last ``halo`` of rank ``c - 1`` and the first ``halo`` of rank ``c + 1``
+        (:mod:`metadist.lowering.halo`).
+        """
+        k = self.axis_sizes[axis]
+        moved = tensor.movedim(dim, 0)  # (n, ...)
+        border = torch.cat([moved[:halo], moved[moved.shape[0] - halo:]]).contiguous()  # (2h, ...)
+        gathered = funcol.wait_tensor(funcol.all_gather_single(border, 0, self.group_names[axis]))  # (k * 2h, ...)
+        gathered = gathered.view(k, 2 * halo, *border.shape[1:])  # (k, 2h, ...)
+        zeros = torch.zeros_like(border[:halo])
+        left = gathered[coordinate - 1, halo:] if coordinate > 0 else zeros  # (h, ...)
+        right = gathered[coordinate + 1, :halo] if coordinate < k - 1 else zeros  # (h, ...)
+        self._record("halo_exchange", axis, _nbytes(border), _nbytes(gathered))
+        return torch.cat([left, moved, right]).movedim(0, dim).contiguous()  # (..., n + 2h, ...)
 
     # -- coalesced: one collective for several tensors ------------------------------------------
     def coalesced_all_reduce(self, tensors: Sequence[torch.Tensor], axis: int, op: str) -> list[torch.Tensor]:
@@ -206,7 +224,23 @@ def apply_step(comm: Collectives, tensor: torch.Tensor, step: ReshardStep) -> to
         return local_slice(tensor, step.dim, step.coordinate, step.axis_size)
     if step.kind == "zero_partial":
         return zero_partial(tensor, step.coordinate)
+    if step.kind in ("halo_exchange", "halo_trim"):
+        return apply_halo_step(comm, tensor, step)
     raise ValueError(f"unknown resharding step kind {step.kind!r}")
+
+
+def apply_halo_step(comm: Collectives, tensor: torch.Tensor, step: ReshardStep) -> torch.Tensor:
+    """A ``halo_exchange`` or ``halo_trim`` step (:mod:`metadist.lowering.halo`); widths from the step's local shapes."""
+    if step.kind == "halo_exchange":
+        halo = (step.local_shape_out[step.dim] - step.local_shape_in[step.dim]) // 2
+        return comm.halo_exchange(tensor, step.axis, step.dim, halo, step.coordinate)
+    trim = (step.local_shape_in[step.dim] - step.local_shape_out[step.dim]) // 2
+    return halo_trim(tensor, step.dim, trim)
+
+
+def halo_trim(tensor: torch.Tensor, dim: int, trim: int) -> torch.Tensor:
+    """``tensor`` without ``trim`` elements at each end of ``dim`` (a copy, so the extended output can be freed)."""
+    return tensor.narrow(dim, trim, tensor.shape[dim] - 2 * trim).clone()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ import torch.fx
 from ..frontends.torch.execute import materialize, resolve_op
 from ..ir import Shard
 from ..lowering import CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep
-from .collectives import Collectives, local_slice, zero_partial
+from .collectives import Collectives, halo_trim, local_slice, zero_partial
 from .errors import LocalOpError
 
 __all__ = ["build_rank_module", "draw_random", "CheckingInterpreter"]
@@ -102,7 +102,18 @@ def _emit_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.Node, 
         return graph.call_function(local_slice, (node, step.dim, step.coordinate, step.axis_size))
     if step.kind == "zero_partial":
         return graph.call_function(zero_partial, (node, step.coordinate))
+    if step.kind in ("halo_exchange", "halo_trim"):
+        return _emit_halo_step(graph, comm, node, step)
     raise ValueError(f"unknown resharding step kind {step.kind!r}")
+
+
+def _emit_halo_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.Node, step: ReshardStep) -> torch.fx.Node:
+    """A halo exchange (a ``comm`` method) or the local trim after a halo op (:mod:`metadist.lowering.halo`)."""
+    if step.kind == "halo_exchange":
+        halo = (step.local_shape_out[step.dim] - step.local_shape_in[step.dim]) // 2
+        return graph.call_method("halo_exchange", (comm, node, step.axis, step.dim, halo, step.coordinate))
+    trim = (step.local_shape_in[step.dim] - step.local_shape_out[step.dim]) // 2
+    return graph.call_function(halo_trim, (node, step.dim, trim))
 
 
 def _emit_local_op(graph: torch.fx.Graph, env: dict, op: LocalOp, program: RankProgram, device: torch.device | None) -> None:

@@ -165,8 +165,8 @@ class _progress:
 
 #: Bumped whenever discovery changes what it accepts (new soundness checks, new derived rules), so
 #: that rules found by an older discovery are not served from the database: they are found again.
-DISCOVERY_VERSION = 3
-"""3: affine factors (``addmm``'s ``k`` with the bias ``Partial(sum)``)."""
+DISCOVERY_VERSION = 4
+"""3: affine factors (``addmm``'s ``k`` with the bias ``Partial(sum)``); 4: halo factors of windowed ops."""
 
 
 def _version_key(executor: OpExecutor) -> str:

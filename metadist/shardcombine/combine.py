@@ -69,7 +69,7 @@ def recombine(pieces: Sequence[np.ndarray], combine: Combine) -> np.ndarray:
     """Recombine per-shard pieces with one combination (Concat, Reduce or Identity)."""
     if isinstance(combine, Concat):
         if combine.chunk != 1 or combine.halo != 0:
-            raise NotImplementedError("block-cyclic (chunk) and halo recombination are not implemented")
+            raise NotImplementedError("chunk/halo pieces do not concatenate as they are: halo pieces are trimmed first (.halo)")
         return np.concatenate(pieces, axis=combine.dim)
     if isinstance(combine, Reduce):
         stacked = np.stack(pieces)

@@ -17,6 +17,9 @@ For one op call, :func:`discover`
    A candidate that fails only because some unsplit (replicated) inputs are
    added in once per shard gets a second chance as an *affine* factor: those
    inputs are given as ``Partial(sum)`` pieces instead (:func:`_affine_factor`);
+   For windowed ops (:data:`~.signature.HALO_OPS`), a candidate that recombines no
+   other way gets a third chance as a *halo* factor, searched on the real shapes:
+   pieces extended by their neighbours' border elements (:mod:`.halo`);
 5. finds the :class:`PartialPass` entries: an input whose value is split into
    random parts that add up to it (``sum``), or whose elementwise max/min is it
    (``max``/``min``), passes through if the outputs on the parts reduce to the
@@ -39,8 +42,9 @@ import numpy as np
 from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Reduce, Rule
 from .combine import check_combine, close, infer_combine, tolerance_for
 from .executor import ExecutionRefused, OpCall, OpExecutor
+from .halo import halo_factor
 from .shapes import piece_sizes, standin_reshape, standin_shapes
-from .signature import op_name
+from .signature import HALO_OPS, op_name
 
 __all__ = ["DiscoveryConfig", "NoRule", "discover", "candidate_factors", "random_op_rule", "is_random_like"]
 
@@ -106,7 +110,10 @@ def discover(
     with _session(executor):
         work, draws = _prepare(call, executor, shapes, config)
         candidates = candidate_factors(work.input_shapes, config.max_candidates)
-        factors = [f for combo in candidates if (f := _try_factor(work, executor, draws, combo, config)) is not None]
+        found = {combo: _try_factor(work, executor, draws, combo, config) for combo in candidates}
+        if op_name(call.target) in HALO_OPS:
+            _halo_factors(call, executor, work, draws, found, config)
+        factors = [factor for factor in found.values() if factor is not None]
         factors = prune_dominated(factors)
         passes = _partial_passes(work, executor, draws, config)
     return Rule(
@@ -115,6 +122,27 @@ def discover(
         factors=tuple(factors),
         partial_passes=tuple(passes),
     )
+
+
+def _halo_factors(call: OpCall, executor: OpExecutor, work: OpCall, draws: list[_Draw], found: dict, config: DiscoveryConfig) -> None:
+    """Halo factors for the candidates that found no factor, searched on the op's real shapes (:mod:`.halo`).
+
+    The halo width depends on the kernel's size, which stand-in shapes change; so the search runs on
+    the real shapes (their own seeded draws), up to ``config.real_shape_budget`` input elements.
+    """
+    if work.input_shapes != call.input_shapes:
+        if sum(int(np.prod(s)) for s in call.input_shapes) > config.real_shape_budget:
+            log.info("%s: inputs too large for a halo search on real shapes; no halo factors", call.target)
+            return
+        try:
+            draws = [_draw(call, executor, seed, position, config) for position, seed in enumerate(config.seeds)]
+        except NoRule:
+            raise
+        except Exception as err:  # the op does not run on its real shapes here: no halo factors, said in the log
+            log.info("%s: no halo search, the op does not run on its real shapes: %s", call.target, err)
+            return
+    for combo in [c for c, factor in found.items() if factor is None]:
+        found[combo] = halo_factor(call, executor, draws, combo, config.shard_counts)
 
 
 def _session(executor: OpExecutor) -> ContextManager:

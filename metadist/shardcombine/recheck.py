@@ -55,6 +55,8 @@ def check_rule_by_execution(call: OpCall, rule: Rule, executor: OpExecutor, *, s
             checks = [ExecutionCheck(label, 0, None, 0.0, detail) for label in labels]
         else:
             checks = [_check_factor(call, executor, factor, inputs, whole) for factor in rule.factors]
+            if any(factor.halo for factor in rule.factors):
+                checks = _with_halo_checks(call, executor, rule, checks, seed, scale)
             checks += [_check_pass(call, executor, rule, partial, inputs, whole, rng) for partial in rule.partial_passes]
         for check in checks:
             if scale != 1.0 and check.detail:
@@ -63,6 +65,55 @@ def check_rule_by_execution(call: OpCall, rule: Rule, executor: OpExecutor, *, s
             if earlier is None or (earlier.ok is None and check.ok is not None) or (earlier.ok and check.ok is False):
                 results[check.what] = check
     return tuple(results[label] for label in labels)
+
+
+def _with_halo_checks(call: OpCall, executor: OpExecutor, rule: Rule, checks: list, seed: int, scale: float) -> list:
+    """Halo factors re-checked on the node's own shapes (their width depends on them), fresh data."""
+    rng = np.random.default_rng([seed, 1])
+    inputs = [x * x.dtype.type(scale) if x.dtype.kind == "f" else x for x in executor.example_inputs(call, rng, call.input_shapes)]
+    whole = executor.run(call, inputs)
+    return [_check_halo_factor(call, executor, factor, inputs, whole) if factor.halo else check
+            for factor, check in zip(rule.factors, checks)] + checks[len(rule.factors):]
+
+
+def _check_halo_factor(call: OpCall, executor: OpExecutor, factor: Factor, inputs: Sequence[np.ndarray], whole: Sequence[np.ndarray | None]) -> ExecutionCheck:
+    """A halo factor on even shards: windows of the zero-padded whole input, outputs trimmed and joined.
+
+    This module's own reading of the halo contract (:mod:`metadist.ir.rule`): piece ``r`` of the input
+    is ``padded[r * p : (r + 1) * p + 2h]`` of the input padded with ``h`` zeros at both ends; each
+    output piece drops ``h * m / n`` elements at both ends.
+    """
+    label, halo = str(factor_strategy(factor)[0]), factor.halo
+    size = factor.size(tuple(x.shape for x in inputs))
+    outs = [(index, combine, expected) for index, (combine, expected) in enumerate(zip(factor.outputs, whole)) if combine is not None]
+    shards = next((k for k in (4, 3, 2) if size % k == 0 and size // k >= halo
+                   and all(expected.shape[c.dim] % k == 0 and (halo * expected.shape[c.dim]) % size == 0 for _, c, expected in outs)), None)
+    if shards is None:
+        return ExecutionCheck(label, 0, None, 0.0, f"halo factor of size {size}: no even split into 2, 3 or 4 pieces of at least {halo}")
+    step = size // shards
+    padded = [None if dim is None else np.pad(x, [(halo, halo) if d == dim else (0, 0) for d in range(x.ndim)])
+              for x, dim in zip(inputs, factor.inputs)]
+    pieces = []
+    for shard in range(shards):
+        local = [x if dim is None else np.moveaxis(np.moveaxis(p, dim, 0)[shard * step: (shard + 1) * step + 2 * halo], 0, dim)
+                 for x, dim, p in zip(inputs, factor.inputs, padded)]
+        try:
+            pieces.append(executor.run(call, local))
+        except Exception as err:  # the op rejects an extended shard although the rule says it runs there
+            return ExecutionCheck(label, shards, False, math.inf, f"the op fails on a halo shard: {type(err).__name__}: {str(err)[:100]}")
+    worst = 0.0
+    for index, combine, expected in outs:
+        trim = halo * expected.shape[combine.dim] // size
+        kept = [np.moveaxis(np.moveaxis(piece[index], combine.dim, 0)[trim: piece[index].shape[combine.dim] - trim], 0, combine.dim)
+                for piece in pieces]
+        if any(k.shape[combine.dim] * shards != expected.shape[combine.dim] for k in kept):
+            return ExecutionCheck(label, shards, False, math.inf, f"output {index}: trimmed halo pieces have the wrong size")
+        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+        ok, error, detail = _recombines(Concat(combine.dim), kept, expected, dtype, _input_rtol(inputs))
+        worst = max(worst, error)
+        if not ok:
+            return ExecutionCheck(label, shards, False, error, f"output {index} (halo {halo}): {detail}")
+    return ExecutionCheck(label, shards, True, worst)
 
 
 def _labels(rule: Rule) -> list[str]:

@@ -7,7 +7,9 @@ input as ``f32[a,1,b]``: a letter per distinct size > 1, in order of first
 appearance. GPT-2 XL then has no more signatures than GPT-2 small.
 
 Only ops whose arguments carry shapes (reshapes, expand, slice, split, their
-backward ops) put concrete sizes into the key: their rule depends on them.
+backward ops) and windowed ops that may have halo factors (:data:`HALO_OPS`: a
+halo's width depends on the kernel's size) put concrete sizes into the key: their
+rule depends on them.
 
 Arguments are normalized where the spelling differs but the meaning does not:
 negative dims count from the end (``-1`` of a rank-3 input is ``2``), and the
@@ -26,7 +28,7 @@ from typing import Any
 from ..ir.graph import Literal, ValueRef, format_arg
 from .executor import OpCall
 
-__all__ = ["OpSignature", "signature_of", "SHAPE_OPS", "op_name"]
+__all__ = ["OpSignature", "signature_of", "SHAPE_OPS", "HALO_OPS", "op_name"]
 
 #: Ops (``namespace.name``, any overload) whose rule depends on concrete sizes.
 SHAPE_OPS = frozenset(
@@ -37,6 +39,17 @@ SHAPE_OPS = frozenset(
         # JAX primitives whose parameters carry sizes
         "jax.lax.reshape", "jax.lax.broadcast_in_dim", "jax.lax.slice", "jax.lax.split", "jax.lax.dynamic_slice",
         "jax.lax.dynamic_update_slice", "jax.lax.pad",
+    }
+)
+
+#: Windowed ops whose rule may have halo factors (``Concat(dim, halo=h)``): the halo width depends
+#: on concrete sizes (the kernel's, the spatial dims' against the stride), so their key holds
+#: concrete sizes and discovery searches halo widths on their real shapes
+#: (:mod:`metadist.shardcombine.halo`).
+HALO_OPS = frozenset(
+    {
+        "aten.convolution", "aten.max_pool1d", "aten.max_pool2d", "aten.max_pool2d_with_indices",
+        "aten.max_pool3d_with_indices", "aten.avg_pool1d", "aten.avg_pool2d", "aten.avg_pool3d", "aten.constant_pad_nd",
     }
 )
 
@@ -99,7 +112,7 @@ def signature_of(call: OpCall) -> OpSignature:
     target = call.target
     name = op_name(target)
     shapes = [spec.shape for spec in call.input_specs]
-    if name in SHAPE_OPS:
+    if name in SHAPE_OPS or name in HALO_OPS:
         inputs = tuple(f"{spec.dtype}[{','.join(map(str, spec.shape))}]" for spec in call.input_specs)
     else:
         letters = _size_letters(shapes)

@@ -16,9 +16,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..ir.rule import Factor, PartialPass
+from ..ir.rule import Concat, Factor, PartialPass, halo_trim
 from .combine import check_combine, close, recombine
 from .discover import affine_parts, split_value
+from .halo import extend_piece, trim_piece
 from .executor import OpCall, OpExecutor
 from .shapes import piece_sizes
 
@@ -53,9 +54,13 @@ def split_inputs(
     if sizes is None:
         raise ValueError(f"cannot split a dim of size {size} into {shards} pieces")
     bounds = np.cumsum([0] + sizes)
+    if factor.halo and min(sizes) < factor.halo:
+        raise ValueError(f"pieces {sizes} are shorter than the halo {factor.halo}")
     return [
         [
-            parts[index][k] if index in parts else x if d is None else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d)
+            parts[index][k] if index in parts else x if d is None
+            else extend_piece(x, d, int(bounds[k]), int(bounds[k + 1]), factor.halo) if factor.halo
+            else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d)
             for index, (x, d) in enumerate(zip(inputs, factor.inputs))
         ]
         for k in range(shards)
@@ -87,6 +92,12 @@ def _check_split(call, executor, factor, inputs, whole, shards, uneven, split, s
                 return Mismatch(index, "the output exists on one side only")
             continue
         dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+        if isinstance(combine, Concat) and combine.halo:
+            trim = halo_trim(combine.halo, factor.size(tuple(tuple(np.shape(x)) for x in inputs)), want.shape[combine.dim])
+            if trim is None or any(p is None or p.shape[combine.dim] < 2 * trim for p in pieces):
+                return Mismatch(index, f"halo pieces cannot be trimmed by {combine.halo} * m / n")
+            pieces = [trim_piece(p, combine.dim, trim) for p in pieces]
+            combine = Concat(combine.dim)
         if not check_combine(pieces, want, combine, dtype):
             cut = f" (partial inputs {list(factor.partial_inputs)} cut the {split} way)" if factor.partial_inputs else ""
             return Mismatch(index, f"pieces do not recombine with {combine}{cut}", _max_diff(pieces, want, combine))

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..cost import OUTPUT_CONSUMER, Bucketing, Cluster, bucketing_for, compute_seconds, local_nbytes, node_work, reshard
+from ..cost import (
+    OUTPUT_CONSUMER, Bucketing, Cluster, bucketing_for, collective_seconds, compute_seconds, halo_exchange_bytes, local_nbytes, node_work,
+    reshard,
+)
 from ..ir import Graph
 from ..ir.plan import NodeStrategy
 
@@ -56,6 +59,16 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
     comm_bytes = {name: 0.0 for name in names}
     kinds: dict[str, int] = {}
     cache: dict[tuple, Any] = {}
+    for node in graph.nodes:
+        strategy = assignment.node_strategies[node.name]
+        for axis, halo in enumerate(strategy.halos):
+            for name, sharding in zip(node.input_names, strategy.inputs) if halo else ():
+                buffer_bytes = halo_exchange_bytes(graph.value(name).spec, sharding, axis, halo, cluster.mesh)
+                if buffer_bytes:
+                    seconds, sent = collective_seconds("all_gather", buffer_bytes, cluster.mesh.shape[axis], cluster.link(axis))
+                    comm_s[names[axis]] += seconds
+                    comm_bytes[names[axis]] += sent
+                    kinds["halo_exchange"] = kinds.get("halo_exchange", 0) + 1
     for spec, src, dst, share in _edges(graph, assignment, produced, bucketing):
         key = (spec, src, dst, share)
         if key not in cache:

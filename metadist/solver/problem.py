@@ -5,7 +5,7 @@ the followers merged into it (:mod:`.shrink`). A **class** is a set of tied unit
 layers) sharing one set of variables; costs of a class are summed over its units.
 
 Costs, all in seconds: ``compute_s[c][s]`` (roofline of the class's nodes under strategy
-``s``), ``linear_comm_s[c][s]`` (resharding on edges whose other end has a single strategy,
+``s``, plus the halo exchange a halo factor needs before its node), ``linear_comm_s[c][s]`` (resharding on edges whose other end has a single strategy,
 or joins two tied copies of the same class), and one :class:`ClassEdge` for every other
 producer/consumer pair, whose cost depends on the producer's output sharding ``p`` and the
 consumer's required input sharding ``q`` only: ``comm_s[p][q]``. Memory: at each liveness
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..cost import (
-    NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, Cluster, Liveness, bucketing_for, compute_seconds, liveness, local_nbytes, node_work, reshard,
+    NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, Cluster, Liveness, bucketing_for, compute_seconds, halo_exchange_seconds, liveness, local_nbytes, node_work, reshard,
 )
 from ..ir import Graph, Partial, Replicate, Rule
 from ..ir.plan import NodeStrategy
@@ -110,7 +110,10 @@ def _member_strategies(graph: Graph, rules: Mapping[str, Rule], cluster: Cluster
         if key not in cache:
             found = node_strategies(key[0], tuple(s.shape for s in in_specs), tuple(s.shape if s else None for s in out_specs), mesh)
             work = node_work(graph, node)
-            seconds = tuple(compute_seconds(work, in_specs, out_specs, st, mesh, cluster.device) for st in found.strategies)
+            seconds = tuple(
+                compute_seconds(work, in_specs, out_specs, st, mesh, cluster.device) + halo_exchange_seconds(in_specs, st, cluster)[0]
+                for st in found.strategies
+            )
             cache[key] = (found, seconds)
         sets[node.name], compute[node.name] = cache[key]
     return sets, compute

@@ -9,6 +9,11 @@ only replicate. Graph inputs choose a sharding: each axis replicates or shards o
 An affine factor (``Factor.partial_inputs``, e.g. addmm's ``k`` with the bias) puts those
 inputs ``Partial(sum)`` on the axes that take it (:func:`metadist.ir.plan.strategy_from_choices`);
 a replicated producer reaches that for free (the lowering's ``zero_partial``).
+
+A halo factor (``Concat(dim, halo=h)``: convolution and pooling split along a spatial dim) is
+planned like a plain split, on one axis at most, where every piece is at least ``h`` wide and
+its output trims are whole; the halo exchange before the node is priced with its compute
+(:func:`metadist.cost.comm.halo_exchange_seconds`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Mesh, Replicate, Rule, Shard, TensorSpec
+from ..ir.rule import halo_trim
 from ..ir.plan import REPLICATE, AxisChoice, NodeStrategy, PlanError, strategy_from_choices
 from .errors import SolverError
 
@@ -29,7 +35,7 @@ class StrategySet:
     strategies: tuple[NodeStrategy, ...]
     excluded_indivisible: int = 0
     excluded_inexpressible: int = 0
-    """Joint choices a plan cannot express yet (block-cyclic or halo recombination)."""
+    """Joint choices a plan cannot express (block-cyclic recombination; one halo factor on two axes)."""
 
 
 def replicated_strategy(n_inputs: int, output_present: Sequence[bool], mesh: Mesh) -> NodeStrategy:
@@ -64,7 +70,21 @@ def _divides(rule: Rule, choices: tuple[AxisChoice, ...], mesh: Mesh, input_shap
         ]
         if any(size % count for size in sizes):
             return False
+        if factor.halo and not _halo_fits(factor, count, input_shapes, output_shapes):
+            return False
     return True
+
+
+def _halo_fits(factor, count: int, input_shapes, output_shapes) -> bool:
+    """Every piece is at least the halo wide and every output trim ``h * m / n`` is whole."""
+    size = factor.size(tuple(input_shapes))
+    if size // count < factor.halo:
+        return False
+    return all(
+        halo_trim(factor.halo, size, output_shapes[slot][combine.dim]) is not None
+        for slot, combine in enumerate(factor.outputs)
+        if combine is not None and output_shapes[slot] is not None
+    )
 
 
 def node_strategies(
@@ -89,7 +109,7 @@ def node_strategies(
             continue
         try:
             strategies.append(strategy_from_choices(rule, choices))
-        except PlanError:  # chunk/halo recombination: counted, reported, not planned
+        except PlanError:  # chunk recombination, a halo factor on two axes: counted, reported, not planned
             inexpressible += 1
     if not strategies:
         strategies.append(replicated_strategy(len(input_shapes), [s is not None for s in output_shapes], mesh))
