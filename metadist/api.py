@@ -44,6 +44,9 @@ class CompileOptions:
     """Bound on the rendezvous and every collective, so a failed rank never hangs the others."""
     compile_backend: str | None = None
     """Run each rank's program through ``torch.compile`` with this backend (e.g. ``inductor`` on GPUs)."""
+    overlap: bool = True
+    """Issue each collective as early as its inputs allow and wait for it right before its first reader, so that
+    communication overlaps computation (gradients reduce during the backward pass); False waits at once."""
     bucket_cap_mb: float | None = None
     """Cap of one coalesced collective in MiB (gradients bucket like DDP's); None: 25 MiB, 0: no coalescing.
     The solver prices the same buckets."""
@@ -143,7 +146,8 @@ class CompiledTrainStep:
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
-                              init_fn=self.options.init_fn, bucket_cap_bytes=_mib(self.options.bucket_cap_mb))
+                              init_fn=self.options.init_fn, bucket_cap_bytes=_mib(self.options.bucket_cap_mb),
+                              overlap=self.options.overlap)
         self.compiled, _ = compile_captured(self.torch_step, mesh, device_mesh, options)
 
     def _mesh(self) -> tuple[Mesh, Any]:

@@ -51,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="build a built-in model on the meta device: each rank materialises only its shards, with the "
                              "values metadist.materialize gives on one device (large built-ins are on meta already)")
     parser.add_argument("--init-seed", type=int, default=0, help="seed of a meta-device model's initialisation")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run every collective to completion where it stands (default: issue early, wait late)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="cap of one coalesced collective in MiB (default 25; 0 issues one collective per value)")
     parser.set_defaults(handler=run)
@@ -80,6 +82,8 @@ def worker_command(args: argparse.Namespace) -> list[str]:
         command += ["--device", "meta"]
     if getattr(args, "bucket_cap_mb", None) is not None:
         command += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    if getattr(args, "no_overlap", False):
+        command.append("--no-overlap")
     if getattr(args, "init_seed", 0):
         command += ["--init-seed", str(args.init_seed)]
     if getattr(args, "verbose", False):

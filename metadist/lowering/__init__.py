@@ -5,15 +5,17 @@
 - :mod:`.rewrite`: shape-carrying arguments of ops, rewritten for local shards
 - :mod:`.program`: :func:`lower` a graph and a plan to a :class:`RankProgram`
 - :mod:`.coalesce`: reshards run in buckets, one collective for several values
+- :mod:`.overlap`: collectives issued early and waited for late, overlapping computation
 """
 
 from .errors import LoweringError
 from .plans import replicate_plan
-from .coalesce import COALESCIBLE_KINDS, DEFAULT_BUCKET_CAP_BYTES, coalesce, coalescible_step, split_stages
+from .coalesce import COALESCIBLE_KINDS, DEFAULT_BUCKET_CAP_BYTES, coalesce, coalescible_step, share_collectives, split_stages
 from .program import (
-    BucketMember, CoalescedReshard, LocalOp, ProgramInput, ProgramOutput, RandomDraw, RankProgram, Reshard, lower,
+    BucketMember, CoalescedReshard, LocalOp, ProgramInput, ProgramOutput, RandomDraw, RankProgram, Reshard, Wait, lower,
     lower_for_rank,
 )
+from .overlap import DEFAULT_IN_FLIGHT_CAP_BYTES, is_async, schedule_overlap
 from .reshard import COLLECTIVE_KINDS, ReshardStep, comm_bytes, plan_resharding
 from .shapes import contiguous_strides, local_shape, mesh_coordinates, shard_offset
 

@@ -33,6 +33,14 @@ forward hold at most ``bucket_cap_bytes`` per bucket before their readers run.
 
 Every rank computes the same buckets: the walk depends only on the instruction structure and
 on local sizes, which are equal on every rank (shards are even).
+
+**Shared collectives.** Before bucketing, :func:`share_collectives` runs each identical
+collective step on the same source once: when one value is resharded to two targets, both
+chains may start with the same collective (e.g. ``(S(0), S(0)) -> (R, R)`` and
+``-> (S(0), R)`` both gather on axis 1 first). Stages with the same source and the same steps
+up to and including their collective (kind, axis, op, dims, shapes) compute the same value; the
+first keeps its collective, later ones read its result and keep only their local steps after it
+(a reshard with no steps is an alias).
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ from ..ir import Partial, Replicate, Shard
 from .program import BucketMember, CoalescedReshard, Instruction, LocalOp, RankProgram, Reshard, buffer_bytes
 from .reshard import COLLECTIVE_KINDS, ReshardStep
 
-__all__ = ["COALESCIBLE_KINDS", "DEFAULT_BUCKET_CAP_BYTES", "coalesce", "coalescible_step", "split_stages"]
+__all__ = ["COALESCIBLE_KINDS", "DEFAULT_BUCKET_CAP_BYTES", "coalesce", "coalescible_step", "share_collectives",
+           "split_stages"]
 
 #: Collective kinds that coalesce; all-to-all stays one call per value.
 COALESCIBLE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -109,9 +118,64 @@ def _after(sharding: tuple, steps: Iterable[ReshardStep]) -> tuple:
     return tuple(current)
 
 
+def share_collectives(instructions: Iterable[Instruction]) -> list[Instruction]:
+    """``instructions`` (reshards split into stages) with each identical collective on one source run once.
+
+    A stage is a reshard with exactly one collective; two stages are the same collective when they
+    read the same value (through aliases made here) with the same steps up to and including the
+    collective. The first of them runs it (into ``<target>.c`` when local steps follow, which then
+    run on their own); each later one becomes a local reshard from that result: its own steps
+    after the collective, or none (an alias, so that the next stages of both chains can be shared).
+    """
+    alias: dict[str, str] = {}
+    first: dict[tuple, int] = {}  # key -> slot of its first stage
+    holder: dict[tuple, str] = {}  # key -> the value that holds the collective's result, once shared
+    slots: list[list[Instruction]] = []
+    for item in instructions:
+        key = _shared_key(item, alias)
+        if key is None:
+            slots.append([item])
+            continue
+        if key not in first:
+            first[key] = len(slots)
+            slots.append([item])
+            continue
+        position = len(key[1]) - 1
+        if key not in holder:  # the first duplicate: split the first stage after its collective if need be
+            original = slots[first[key]][0]
+            if original.steps[position + 1:]:
+                holder[key] = f"{original.target}.c"
+                slots[first[key]] = _split_after(original, position, holder[key])
+            else:
+                holder[key] = original.target
+        middle = _after(item.source_sharding, item.steps[:position + 1])
+        rest = item.steps[position + 1:]
+        slots.append([Reshard(holder[key], item.target, item.spec, middle, item.target_sharding, rest)])
+        if not rest:
+            alias[item.target] = holder[key]
+    return [instruction for slot in slots for instruction in slot]
+
+
+def _split_after(reshard: Reshard, position: int, middle_name: str) -> list[Reshard]:
+    """``reshard`` as its steps up to ``position`` (into ``middle_name``) and a local reshard of the rest."""
+    middle = _after(reshard.source_sharding, reshard.steps[:position + 1])
+    return [Reshard(reshard.source, middle_name, reshard.spec, reshard.source_sharding, middle, reshard.steps[:position + 1]),
+            Reshard(middle_name, reshard.target, reshard.spec, middle, reshard.target_sharding, reshard.steps[position + 1:])]
+
+
+def _shared_key(item: Instruction, alias: dict[str, str]) -> tuple | None:
+    """(source, steps up to and including the collective) of a reshard with exactly one collective; else None."""
+    if not isinstance(item, Reshard):
+        return None
+    positions = [index for index, step in enumerate(item.steps) if step.kind in COLLECTIVE_KINDS]
+    if len(positions) != 1:
+        return None
+    return (alias.get(item.source, item.source), item.steps[:positions[0] + 1])
+
+
 def _bucketed(program: RankProgram, cap: int) -> Iterator[Instruction]:
-    instructions = [stage for item in program.instructions
-                    for stage in (split_stages(item) if isinstance(item, Reshard) else (item,))]
+    instructions = share_collectives(stage for item in program.instructions
+                                     for stage in (split_stages(item) if isinstance(item, Reshard) else (item,)))
     members: dict[int, BucketMember] = {}
     by_key: dict[tuple, list[int]] = {}
     for index, item in enumerate(instructions):

@@ -30,8 +30,8 @@ from .reshard import COLLECTIVE_KINDS, ReshardStep, plan_resharding
 from .rewrite import NodeContext, rewrite_node_args
 from .shapes import local_shape, mesh_coordinates
 
-__all__ = ["LocalOp", "RandomDraw", "Reshard", "BucketMember", "CoalescedReshard", "ProgramInput", "ProgramOutput", "RankProgram",
-           "lower", "lower_for_rank"]
+__all__ = ["LocalOp", "RandomDraw", "Reshard", "BucketMember", "CoalescedReshard", "Wait", "ProgramInput", "ProgramOutput",
+           "RankProgram", "lower", "lower_for_rank"]
 
 #: Random ops whose first tensor argument gives only a shape (its values are not read).
 SHAPE_ONLY_RANDOM_OPS = frozenset({
@@ -138,7 +138,20 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-Instruction = Union[LocalOp, Reshard, CoalescedReshard]
+@dataclass(frozen=True)
+class Wait:
+    """Wait for a collective issued earlier: from here on its ``targets`` are defined and may be read.
+
+    A :class:`Reshard` (with one collective) or :class:`CoalescedReshard` that some later
+    ``Wait`` names is *issued* where it stands and completes at the ``Wait`` (its local
+    ``post`` steps run there); one that no ``Wait`` names runs to completion where it stands.
+    See :mod:`metadist.lowering.overlap`.
+    """
+
+    targets: tuple[str, ...]
+
+
+Instruction = Union[LocalOp, Reshard, CoalescedReshard, Wait]
 
 
 @dataclass(frozen=True)
@@ -217,25 +230,32 @@ class RankProgram:
                     steps = "; ".join(str(step) for step in member.steps)
                     lines.append(f"    %{member.target} = %{member.source} {format_sharding(member.source_sharding)} -> "
                                  f"{format_sharding(member.target_sharding)}: {steps}")
+            elif isinstance(item, Wait):
+                lines.append(f"  wait {', '.join(f'%{target}' for target in item.targets)}")
             else:
                 lines.append(f"  {', '.join(f'%{o}' for o in item.outputs if o)} = {item.target}  {item.output_local_shapes}")
         lines += [f"  out %{o.value} {format_sharding(o.sharding)}" for o in self.outputs]
         return "\n".join(lines) + "\n"
 
 
-def lower_for_rank(graph: Graph, plan: Plan, rank: int, *, bucket_cap_bytes: int | None = None) -> RankProgram:
+def lower_for_rank(graph: Graph, plan: Plan, rank: int, *, bucket_cap_bytes: int | None = None,
+                   overlap: bool = False) -> RankProgram:
     """:func:`lower` for the rank's coordinates on the plan's mesh."""
-    return lower(graph, plan, mesh_coordinates(plan.mesh, rank), bucket_cap_bytes=bucket_cap_bytes)
+    return lower(graph, plan, mesh_coordinates(plan.mesh, rank), bucket_cap_bytes=bucket_cap_bytes, overlap=overlap)
 
 
-def lower(graph: Graph, plan: Plan, coords: Sequence[int], *, bucket_cap_bytes: int | None = None) -> RankProgram:
+def lower(graph: Graph, plan: Plan, coords: Sequence[int], *, bucket_cap_bytes: int | None = None,
+          overlap: bool = False) -> RankProgram:
     """Lower ``plan`` for ``graph`` to the program of the rank at ``coords`` on the plan's mesh.
 
     Reshards are then coalesced into buckets of at most ``bucket_cap_bytes`` (None: the default,
     :data:`~metadist.lowering.coalesce.DEFAULT_BUCKET_CAP_BYTES`; 0: one collective per reshard);
-    see :mod:`metadist.lowering.coalesce`.
+    see :mod:`metadist.lowering.coalesce`. With ``overlap`` every collective is issued as early as
+    its sources allow and waited on right before its first reader (:mod:`metadist.lowering.overlap`);
+    without it each runs to completion where it stands.
     """
     from .coalesce import DEFAULT_BUCKET_CAP_BYTES, coalesce  # coalesce builds on this module's instructions
+    from .overlap import in_flight_cap_for, schedule_overlap
 
     _check_plan_covers(graph, plan)
     lowering = _Lowering(graph, plan, tuple(coords))
@@ -244,7 +264,9 @@ def lower(graph: Graph, plan: Plan, coords: Sequence[int], *, bucket_cap_bytes: 
         lowering.node(node)
     outputs = lowering.outputs()
     program = RankProgram(graph.name, plan.mesh, tuple(coords), inputs, tuple(lowering.instructions), outputs)
-    return coalesce(program, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes)
+    cap = DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes
+    program = coalesce(program, cap)
+    return schedule_overlap(program, in_flight_cap_for(cap)) if overlap else program
 
 
 class _Lowering:

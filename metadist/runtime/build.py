@@ -44,6 +44,8 @@ class StepOptions:
     """Per-module init of a meta-device model, instead of ``reset_parameters``/HuggingFace's ``_init_weights``."""
     bucket_cap_bytes: int | None = None
     """Cap of a coalesced collective, in the runtime and in the solver's cost model (None: default, 0: off)."""
+    overlap: bool = True
+    """Issue each collective as early as its sources allow and wait right before its first reader (False: at once)."""
 
 
 def read_plan_source(source: str | Plan) -> str | Plan:
@@ -64,6 +66,6 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
     compiled = CompiledStep(
         torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
         compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
-        bucket_cap_bytes=options.bucket_cap_bytes,
+        bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap,
     )
     return compiled, plan_hash

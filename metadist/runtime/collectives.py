@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..lowering import CoalescedReshard, ReshardStep, comm_bytes
 
-__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps", "run_coalesced", "apply_halo_step", "halo_trim"]
+__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps", "run_coalesced", "unpack_all_reduce",
+           "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all", "apply_halo_step", "halo_trim"]
 
 
 @dataclass(frozen=True)
@@ -121,56 +122,123 @@ class Collectives(torch.nn.Module):
     # -- coalesced: one collective for several tensors ------------------------------------------
     def coalesced_all_reduce(self, tensors: Sequence[torch.Tensor], axis: int, op: str) -> list[torch.Tensor]:
         """All-reduce every tensor with one collective on one flat buffer (the members' elements, in order)."""
-        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])  # (sum of numels,)
-        reduced = funcol.wait_tensor(funcol.all_reduce(flat, op, self.group_names[axis]))
-        out = [piece.view(tensor.shape) for piece, tensor in zip(reduced.split([t.numel() for t in tensors]), tensors)]
-        self._record_call("all_reduce", axis, [(_nbytes(t), _nbytes(t)) for t in tensors])
-        return out
+        shapes = [tuple(tensor.shape) for tensor in tensors]
+        raw = self.issue_all_reduce(pack_flat(tensors), axis, op, [_numel(shape) for shape in shapes])
+        return unpack_all_reduce(funcol.wait_tensor(raw), shapes)
 
     def coalesced_all_gather(self, tensors: Sequence[torch.Tensor], axis: int, dims: Sequence[int]) -> list[torch.Tensor]:
-        """All-gather every tensor along its own dim with one collective.
-
-        Each rank sends its members' elements, flattened, one after another (N elements);
-        the gathered buffer is (k, N), row r from rank r. Member m's columns, viewed as
-        (k, *shape_m), hold the k pieces along a new leading dim; moving that dim next to
-        ``dims[m]`` and merging the two concatenates the pieces in rank order.
-        """
-        k = self.axis_sizes[axis]
-        numels = [tensor.numel() for tensor in tensors]
-        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])  # (N,)
-        gathered = funcol.wait_tensor(funcol.all_gather_single(flat, 0, self.group_names[axis])).view(k, -1)  # (k, N)
-        out, offset = [], 0
-        for tensor, numel, dim in zip(tensors, numels, dims):
-            shape = tuple(tensor.shape)
-            pieces = gathered[:, offset:offset + numel].reshape(k, *shape)  # (k, ..., n_dim, ...)
-            whole = shape[:dim] + (k * shape[dim],) + shape[dim + 1:]
-            out.append(pieces.movedim(0, dim).reshape(whole))  # (..., k * n_dim, ...)
-            offset += numel
-        self._record_call("all_gather", axis, [(_nbytes(t), _nbytes(o)) for t, o in zip(tensors, out)])
-        return out
+        """All-gather every tensor along its own dim with one collective (layout: :meth:`issue_all_gather`)."""
+        shapes = [tuple(tensor.shape) for tensor in tensors]
+        raw = self.issue_all_gather(pack_flat(tensors), axis, [_numel(shape) for shape in shapes])
+        return unpack_all_gather(funcol.wait_tensor(raw), self.axis_sizes[axis], shapes, dims)
 
     def coalesced_reduce_scatter(self, tensors: Sequence[torch.Tensor], axis: int, op: str, dims: Sequence[int]) -> list[torch.Tensor]:
-        """Reduce-scatter every tensor along its own dim with one collective.
+        """Reduce-scatter every tensor along its own dim with one collective (layout: :func:`pack_for_reduce_scatter`)."""
+        k = self.axis_sizes[axis]
+        shapes = [_piece_shape(tuple(tensor.shape), dim, k) for tensor, dim in zip(tensors, dims)]
+        raw = self.issue_reduce_scatter(pack_for_reduce_scatter(tensors, k, dims), axis, op, [t.numel() for t in tensors])
+        return unpack_reduce_scatter(funcol.wait_tensor(raw), shapes)
 
-        Member m is split along ``dims[m]`` into k pieces, each flattened: a (k, n_m) block whose
-        row r is what rank r keeps. The blocks side by side make a (k, N) buffer; its row r is
-        rank r's segment, so one reduce-scatter on dim 0 leaves each rank its reduced row,
-        which splits back into the members' pieces.
+    # -- asynchronous: pack, issue now, wait (funcol.wait_tensor) and unpack later ---------------
+    # Each ``issue_*`` starts one functional collective on a packed flat buffer (``pack_*``), counts
+    # the call and each member's bytes (``numels``: the members' input elements, which must add up
+    # to the buffer), and returns the collective's raw output without waiting. The caller waits
+    # with ``funcol.wait_tensor`` where the results are first needed (metadist.lowering.overlap)
+    # and unpacks them with the matching ``unpack_*`` function. Packing is its own step so that
+    # the members' tensors can be freed before the collective runs.
+    def issue_all_reduce(self, flat: torch.Tensor, axis: int, op: str, numels: Sequence[int]) -> torch.Tensor:
+        """Start one all-reduce of a (N,) buffer of members' elements (:func:`pack_flat`)."""
+        item = _check_packed(flat, numels)
+        self._record_call("all_reduce", axis, [(n * item, n * item) for n in numels])
+        return funcol.all_reduce(flat, op, self.group_names[axis])
+
+    def issue_all_gather(self, flat: torch.Tensor, axis: int, numels: Sequence[int]) -> torch.Tensor:
+        """Start one all-gather of a (N,) buffer of members' elements (:func:`pack_flat`).
+
+        The gathered (k * N,) buffer holds rank r's N elements at row r of its (k, N) view
+        (:func:`unpack_all_gather` puts each member's pieces in place).
         """
         k = self.axis_sizes[axis]
-        blocks, shapes = [], []
-        for tensor, dim in zip(tensors, dims):
-            shape = tuple(tensor.shape)
-            piece_shape = shape[:dim] + (shape[dim] // k,) + shape[dim + 1:]
-            split = tensor.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:])  # (..., k, n_dim/k, ...)
-            blocks.append(split.movedim(dim, 0).reshape(k, -1))  # (k, n_m)
-            shapes.append(piece_shape)
-        buffer = torch.cat(blocks, dim=1).reshape(-1)  # (k * N,)
-        reduced = funcol.wait_tensor(funcol.reduce_scatter_single(buffer, op, 0, self.group_names[axis]))  # (N,)
-        sizes = [block.shape[1] for block in blocks]
-        out = [piece.view(shape) for piece, shape in zip(reduced.split(sizes), shapes)]
-        self._record_call("reduce_scatter", axis, [(_nbytes(t), _nbytes(o)) for t, o in zip(tensors, out)])
-        return out
+        item = _check_packed(flat, numels)
+        self._record_call("all_gather", axis, [(n * item, k * n * item) for n in numels])
+        return funcol.all_gather_single(flat, 0, self.group_names[axis])  # (k * N,)
+
+    def issue_reduce_scatter(self, buffer: torch.Tensor, axis: int, op: str, numels: Sequence[int]) -> torch.Tensor:
+        """Start one reduce-scatter of a (k * N,) buffer in per-rank layout (:func:`pack_for_reduce_scatter`);
+        each rank keeps its reduced (N,) row."""
+        k = self.axis_sizes[axis]
+        item = _check_packed(buffer, numels)
+        self._record_call("reduce_scatter", axis, [(n * item, n * item // k) for n in numels])
+        return funcol.reduce_scatter_single(buffer, op, 0, self.group_names[axis])  # (N,)
+
+    def issue_all_to_all(self, tensor: torch.Tensor, axis: int, split_dim: int) -> torch.Tensor:
+        """Start ``Shard(gather_dim) -> Shard(split_dim)`` on one axis: piece r of ``split_dim`` goes to rank r.
+
+        Returns the received (k, ...) pieces, row r from rank r (:func:`unpack_all_to_all` joins them).
+        """
+        size = self.axis_sizes[axis]
+        pieces = torch.stack(tensor.chunk(size, dim=split_dim), dim=0).contiguous()  # (k, ..., n_split/k, ...)
+        self._record("all_to_all", axis, _nbytes(tensor), _nbytes(tensor))
+        return funcol.all_to_all_single(pieces, None, None, self.group_names[axis])
+
+
+def pack_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements one after another, in one contiguous (N,) buffer (no copy for one contiguous tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].contiguous().reshape(-1)
+    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+
+
+def pack_for_reduce_scatter(tensors: Sequence[torch.Tensor], k: int, dims: Sequence[int]) -> torch.Tensor:
+    """A (k * N,) buffer in per-rank layout for reducing and scattering every tensor along its own dim.
+
+    Member m is split along ``dims[m]`` into k pieces, each flattened: a (k, n_m) block whose row r
+    is what rank r keeps. The blocks side by side make a (k, N) buffer; its row r is rank r's
+    segment, so one reduce-scatter on dim 0 leaves each rank its reduced (N,) row, which
+    :func:`unpack_reduce_scatter` splits back into the members' pieces.
+    """
+    blocks = []
+    for tensor, dim in zip(tensors, dims):
+        shape = tuple(tensor.shape)
+        split = tensor.reshape(shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:])  # (..., k, n_dim/k, ...)
+        blocks.append(split.movedim(dim, 0).reshape(k, -1))  # (k, n_m)
+    if len(blocks) == 1:
+        return blocks[0].contiguous().reshape(-1)
+    return torch.cat(blocks, dim=1).reshape(-1)  # (k * N,)
+
+
+def unpack_all_reduce(reduced: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """The members of a waited all-reduce buffer, as views of it."""
+    sizes = [_numel(shape) for shape in shapes]
+    return [piece.view(shape) for piece, shape in zip(reduced.split(sizes), shapes)]
+
+
+def unpack_all_gather(gathered: torch.Tensor, k: int, shapes: Sequence[tuple[int, ...]], dims: Sequence[int]) -> list[torch.Tensor]:
+    """The members of a waited all-gather buffer, each gathered along its own dim.
+
+    Member m's columns of the (k, N) buffer, viewed as (k, *shape_m), hold the k pieces along a new
+    leading dim; moving that dim next to ``dims[m]`` and merging the two concatenates the pieces in
+    rank order.
+    """
+    rows = gathered.view(k, -1)  # (k, N)
+    out, offset = [], 0
+    for shape, dim in zip(shapes, dims):
+        numel = _numel(shape)
+        pieces = rows[:, offset:offset + numel].reshape(k, *shape)  # (k, ..., n_dim, ...)
+        whole = tuple(shape[:dim]) + (k * shape[dim],) + tuple(shape[dim + 1:])
+        out.append(pieces.movedim(0, dim).reshape(whole))  # (..., k * n_dim, ...)
+        offset += numel
+    return out
+
+
+def unpack_reduce_scatter(reduced: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """The members' pieces of a waited reduce-scatter row (``shapes``: the pieces' shapes)."""
+    return unpack_all_reduce(reduced, shapes)
+
+
+def unpack_all_to_all(received: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    """The received (k, ...) pieces of a waited all-to-all, joined along ``gather_dim``."""
+    return torch.cat(received.unbind(0), dim=gather_dim)  # (..., n_gather, ..., n_split/k, ...)
 
 
 def local_slice(tensor: torch.Tensor, dim: int, coordinate: int, parts: int) -> torch.Tensor:
@@ -245,3 +313,22 @@ def halo_trim(tensor: torch.Tensor, dim: int, trim: int) -> torch.Tensor:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _check_packed(buffer: torch.Tensor, numels: Sequence[int]) -> int:
+    """The buffer's element size, after checking that it holds exactly the members' elements."""
+    if buffer.dim() != 1 or buffer.numel() != sum(numels):
+        raise ValueError(f"a packed collective buffer of shape {tuple(buffer.shape)} does not hold its members' "
+                         f"{sum(numels)} elements ({list(numels)}); pack it with pack_flat or pack_for_reduce_scatter")
+    return buffer.element_size()
+
+
+def _piece_shape(shape: tuple[int, ...], dim: int, k: int) -> tuple[int, ...]:
+    return shape[:dim] + (shape[dim] // k,) + shape[dim + 1:]

@@ -6,22 +6,30 @@ returns the local output shards (graph output order). Local ops are
 ``call_method`` nodes on the ``comm`` submodule (:class:`Collectives`) or
 ``call_function`` nodes for local slices. A coalesced reshard is one
 ``call_method`` node (``coalesced_all_reduce`` etc.) on the list of its members'
-tensors, read back with ``getitem``. Nothing in it is specific to CPU:
+tensors, read back with ``getitem``. A collective that a later :class:`~metadist.lowering.Wait`
+completes (:mod:`metadist.lowering.overlap`) is two nodes apart: ``issue_*`` where it stands
+(starts the collective, returns its raw output) and ``funcol.wait_tensor`` at the ``Wait``,
+followed by the ``unpack_*`` of its members and their local steps. Nothing in it is specific to CPU:
 ``torch.compile`` may be applied to it on GPUs.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from ..frontends.torch.execute import materialize, resolve_op
 from ..ir import Shard
-from ..lowering import CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep
-from .collectives import Collectives, halo_trim, local_slice, zero_partial
+from ..lowering import COLLECTIVE_KINDS, CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep, Wait
+from .collectives import (
+    Collectives, halo_trim, local_slice, pack_flat, pack_for_reduce_scatter, unpack_all_gather, unpack_all_reduce,
+    unpack_all_to_all, unpack_reduce_scatter, zero_partial,
+)
 from .errors import LocalOpError
 
 __all__ = ["build_rank_module", "draw_random", "CheckingInterpreter"]
@@ -47,8 +55,14 @@ def build_rank_module(
     for program_input in program.inputs:
         env[program_input.name] = graph.placeholder(_identifier(program_input.name))
     comm_node = graph.get_attr("comm")
+    awaited = {target for item in program.instructions if isinstance(item, Wait) for target in item.targets}
+    issued: dict[str, _Issued] = {}
     for instruction in program.instructions:
-        if isinstance(instruction, Reshard):
+        if isinstance(instruction, Wait):
+            _emit_wait(graph, env, issued, instruction)
+        elif isinstance(instruction, (Reshard, CoalescedReshard)) and _first_target(instruction) in awaited:
+            _emit_issue(graph, comm_node, env, issued, instruction, program.mesh.shape)
+        elif isinstance(instruction, Reshard):
             node = env[instruction.source]
             for step in instruction.steps:
                 node = _emit_step(graph, comm_node, node, step)
@@ -87,6 +101,84 @@ def _emit_coalesced(graph: torch.fx.Graph, comm: torch.fx.Node, env: dict, coale
         for step in member.post:
             node = _emit_step(graph, comm, node, step)
         env[member.target] = node
+
+
+@dataclass(frozen=True)
+class _Issued:
+    """A collective issued in the graph and not yet waited for: its raw output node and how to unpack it."""
+
+    raw: torch.fx.Node
+    step: ReshardStep
+    """The collective (of the first member; kind and axis are shared)."""
+    members: tuple[tuple[str, ReshardStep, tuple[ReshardStep, ...]], ...]
+    """(target, its collective step, its local steps after the collective), per member."""
+
+
+def _first_target(item: Reshard | CoalescedReshard) -> str:
+    return item.members[0].target if isinstance(item, CoalescedReshard) else item.target
+
+
+def _emit_issue(graph: torch.fx.Graph, comm: torch.fx.Node, env: dict, issued: dict, item: Reshard | CoalescedReshard,
+                mesh_shape: tuple[int, ...]) -> None:
+    """Members' local steps before the collective, then one ``issue_*`` node that starts it without waiting."""
+    if isinstance(item, CoalescedReshard):
+        members = [(member.source, member.target, member.pre, member.collective, member.post) for member in item.members]
+    else:
+        (position,) = [index for index, step in enumerate(item.steps) if step.kind in COLLECTIVE_KINDS]
+        members = [(item.source, item.target, item.steps[:position], item.steps[position], item.steps[position + 1:])]
+    sources = []
+    for source, _, pre, _, _ in members:
+        node = env[source]
+        for step in pre:
+            node = _emit_step(graph, comm, node, step)
+        sources.append(node)
+    step = members[0][3]
+    numels = [_numel(collective.local_shape_in) for _, _, _, collective, _ in members]
+    # packing is a node of its own: once it has run, the members' tensors can be freed
+    if step.kind == "all_reduce":
+        flat = graph.call_function(pack_flat, (sources,))
+        raw = graph.call_method("issue_all_reduce", (comm, flat, step.axis, step.op, numels))
+    elif step.kind == "all_gather":
+        flat = graph.call_function(pack_flat, (sources,))
+        raw = graph.call_method("issue_all_gather", (comm, flat, step.axis, numels))
+    elif step.kind == "reduce_scatter":
+        dims = [collective.dim for _, _, _, collective, _ in members]
+        buffer = graph.call_function(pack_for_reduce_scatter, (sources, step.axis_size, dims))
+        raw = graph.call_method("issue_reduce_scatter", (comm, buffer, step.axis, step.op, numels))
+    elif step.kind == "all_to_all" and len(sources) == 1:
+        raw = graph.call_method("issue_all_to_all", (comm, sources[0], step.axis, step.split_dim))
+    else:
+        raise ValueError(f"collective kind {step.kind!r} cannot be issued for {len(sources)} tensors")
+    record = _Issued(raw, step, tuple((target, collective, post) for _, target, _, collective, post in members))
+    for _, target, _, _, _ in members:
+        issued[target] = record
+
+
+def _emit_wait(graph: torch.fx.Graph, env: dict, issued: dict, wait: Wait) -> None:
+    """One ``wait_tensor`` node on the issued collective's raw output, its unpacking, each member's ``post`` steps."""
+    record = issued.pop(wait.targets[0])
+    if [target for target, _, _ in record.members] != list(wait.targets):
+        raise ValueError(f"wait for {wait.targets} does not match the collective issued for "
+                         f"{[target for target, _, _ in record.members]}")
+    for target in wait.targets[1:]:
+        issued.pop(target)
+    done = graph.call_function(funcol.wait_tensor, (record.raw,))
+    step = record.step
+    if step.kind == "all_to_all":
+        results = [graph.call_function(unpack_all_to_all, (done, step.dim))]
+    else:
+        if step.kind == "all_reduce":
+            unpacked = graph.call_function(unpack_all_reduce, (done, [c.local_shape_in for _, c, _ in record.members]))
+        elif step.kind == "all_gather":
+            unpacked = graph.call_function(unpack_all_gather, (done, step.axis_size, [c.local_shape_in for _, c, _ in record.members],
+                                                               [c.dim for _, c, _ in record.members]))
+        else:
+            unpacked = graph.call_function(unpack_reduce_scatter, (done, [c.local_shape_out for _, c, _ in record.members]))
+        results = [graph.call_function(operator.getitem, (unpacked, index)) for index in range(len(record.members))]
+    for node, (target, _, post) in zip(results, record.members):
+        for post_step in post:
+            node = _emit_step(graph, None, node, post_step)
+        env[target] = node
 
 
 def _emit_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.Node, step: ReshardStep) -> torch.fx.Node:
@@ -206,3 +298,10 @@ class CheckingInterpreter(torch.fx.Interpreter):
             if len(got) == len(want) and any(w is not None and g != w for g, w in zip(got, want)):
                 raise LocalOpError(f"node {node.meta['metadist_node']!r} ({node.target}) made local shapes {got}, the lowering expects {want}")
         return result
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -55,11 +55,14 @@ class CompiledStep:
         init_seed: int = 0,
         init_fn: Callable[[torch.nn.Module], None] | None = None,
         bucket_cap_bytes: int | None = None,
+        overlap: bool = True,
     ) -> None:
         """``check_shapes`` runs the program op by op and names the MetaIR node that fails (slower);
         ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs);
         ``init_seed`` and ``init_fn`` initialise a meta-device model (see :func:`iter_materialized`);
-        ``bucket_cap_bytes`` caps the lowering's coalesced collectives (None: the default, 0: no coalescing)."""
+        ``bucket_cap_bytes`` caps the lowering's coalesced collectives (None: the default, 0: no coalescing);
+        ``overlap`` issues each collective early and waits for it right before its first reader (False: each
+        runs to completion where it stands)."""
         if check_shapes and compile_backend:
             raise RunInputError("check_shapes runs the program op by op; it cannot be combined with torch.compile")
         plan.check_for(torch_step.graph, metadist_version)
@@ -72,7 +75,8 @@ class CompiledStep:
         self.plan = plan
         self.device_mesh = device_mesh
         self.coords = tuple(device_mesh.get_coordinate())
-        self.program: RankProgram = lower(torch_step.graph, plan, self.coords, bucket_cap_bytes=bucket_cap_bytes)
+        self.program: RankProgram = lower(torch_step.graph, plan, self.coords, bucket_cap_bytes=bucket_cap_bytes,
+                                          overlap=overlap)
         self.comm = Collectives.from_device_mesh(device_mesh)
         self.device = _device_of(device_mesh)
         self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values)

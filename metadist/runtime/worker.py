@@ -62,6 +62,8 @@ class WorkerConfig:
     """Seed of a meta-device model's initialisation (the same on every rank and in the reference)."""
     bucket_cap_bytes: int | None = None
     """Cap of a coalesced collective (None: the default, 0: no coalescing)."""
+    overlap: bool = True
+    """Issue each collective early and wait for it right before its first reader (False: wait at once)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -81,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--device", default=None)
     parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
+    parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -93,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         cluster=args.cluster, check_shapes=args.check_shapes,
         compile_backend=args.compile_backend, device=args.device, init_seed=args.init_seed,
         bucket_cap_bytes=None if args.bucket_cap_mb is None else int(args.bucket_cap_mb * (1 << 20)),
+        overlap=not args.no_overlap,
     )
 
 
@@ -121,7 +125,7 @@ def run_worker(config: WorkerConfig) -> int:
                           "parameters, buffers and optimizer state, not the gradients")
     options = StepOptions(plan=plan_source, memory_budget_bytes=config.memory_budget_bytes, cluster=config.cluster,
                           check_shapes=config.check_shapes, compile_backend=config.compile_backend, init_seed=config.init_seed,
-                          bucket_cap_bytes=config.bucket_cap_bytes)
+                          bucket_cap_bytes=config.bucket_cap_bytes, overlap=config.overlap)
     compiled, plan_hash = compile_captured(torch_step, config.mesh, device_mesh, options)
     plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
