@@ -27,7 +27,11 @@ from .baselines import MethodUnavailable, Prepared, RankContext
 
 log = logging.getLogger(__name__)
 
-METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam"}
+METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam", "metadist-ilp-sync": "ilp"}
+"""MetaDist's rows: method -> solver. ``-sync`` runs the ILP's plan with overlap off (every collective waited
+for where it is issued), next to ``metadist-ilp`` (issued early, waited for late) in the same run."""
+
+SYNC_METHODS = frozenset({"metadist-ilp-sync"})
 
 CLUSTER_PRESET_CPU = "cpu-gloo"
 """The cost model's description of this machine (processes on one CPU over gloo)."""
@@ -98,7 +102,8 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     solve_s = time.perf_counter() - started
     started = time.perf_counter()
     device_mesh = init_device_mesh(ctx.device.type, tuple(ctx.mesh_shape))
-    compiled = api["CompiledStep"](planned.torch_step, plan, device_mesh, metadist_version=api["version"])
+    compiled = api["CompiledStep"](planned.torch_step, plan, device_mesh, metadist_version=api["version"],
+                                   overlap=method not in SYNC_METHODS)
     lowering_s = time.perf_counter() - started
     batch = workload.batch
     world = ctx.world_size
