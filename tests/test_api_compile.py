@@ -47,6 +47,8 @@ SCRIPT = textwrap.dedent(
     if dist.get_rank() == 0:
         print("COMPILED-OK", train_step.plan.mesh, f"max param diff {worst:.2e}")
     dist.destroy_process_group()
+    from metadist.runtime.setup import exit_process
+    exit_process(0)  # torch 2.13's gloo can abort at exit after all-gathers (see exit_process)
     """
 )
 

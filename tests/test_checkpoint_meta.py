@@ -79,6 +79,8 @@ SCRIPT = textwrap.dedent(
     if dist.get_rank() == 0:
         print(f"META-CKPT-OK sharded={sharded} loss3={loss3:.6f} resumed={loss3b:.6f} max state diff {worst:.1e}")
     dist.destroy_process_group()
+    from metadist.runtime.setup import exit_process
+    exit_process(0)  # torch 2.13's gloo can abort at exit after all-gathers (see exit_process)
     """
 )
 

@@ -338,4 +338,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from metadist.runtime.setup import exit_process
+
+    exit_process(main())  # not sys.exit: see exit_process (torch 2.13 gloo can abort at exit)
