@@ -111,21 +111,13 @@ def mlp_workload(config: MLPConfig = MLPConfig()) -> JaxWorkload:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScanMLPConfig:
+class ScanMLPConfig(MLPConfig):
     """A GELU MLP whose hidden layers are stacked and applied with ``jax.lax.scan``."""
 
-    in_features: int = 64
-    """Width of the input."""
     hidden_features: int = 128
     """Width of the hidden layers."""
     hidden_layers: int = 4
     """Stacked hidden layers (the scan's length)."""
-    num_classes: int = 10
-    """Number of classes of the softmax cross-entropy."""
-    batch_size: int = 32
-    """Global batch size."""
-    learning_rate: float = 1e-3
-    """AdamW learning rate."""
 
     def __post_init__(self) -> None:
         if self.hidden_layers < 1:
@@ -133,21 +125,11 @@ class ScanMLPConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DropoutMLPConfig:
+class DropoutMLPConfig(MLPConfig):
     """The built-in MLP with dropout after each hidden layer, its key a raw uint32 ``PRNGKey`` in the batch."""
 
-    in_features: int = 64
-    """Width of the input."""
-    hidden_features: int = 256
-    """Width of the two hidden layers."""
-    num_classes: int = 10
-    """Number of classes of the softmax cross-entropy."""
-    batch_size: int = 32
-    """Global batch size."""
     dropout_rate: float = 0.1
     """Probability that dropout zeroes an activation."""
-    learning_rate: float = 1e-3
-    """AdamW learning rate."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout_rate < 1.0:
