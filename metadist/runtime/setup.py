@@ -77,7 +77,13 @@ def exit_process(code: int) -> NoReturn:
     exception", exit status -6), after its work is done and its process group destroyed;
     a plain script with five all-gathers on a 1-D DeviceMesh reproduces it without
     MetaDist. Leaving through ``os._exit`` keeps the exit status the run earned.
+
+    A failing status leaves through ``sys.exit`` as usual: the failure is already
+    reported, and the slower teardown gives the other ranks time to report theirs
+    before torchrun stops them.
     """
+    if code != 0:
+        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
