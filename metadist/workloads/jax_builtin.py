@@ -78,6 +78,12 @@ def _dense(key: Any, fan_in: int, fan_out: int) -> dict:
     return {"w": weight, "b": jnp.zeros((fan_out,), jnp.float32)}
 
 
+def _mlp_params(config: MLPConfig, keys: Any) -> tuple[tuple[int, ...], dict]:
+    """The widths and the ``fc0``..``fc2`` layers of the 3-layer MLP (layer ``i`` from ``keys[i]``)."""
+    widths = (config.in_features, config.hidden_features, config.hidden_features, config.num_classes)
+    return widths, {f"fc{index}": _dense(keys[index], widths[index], widths[index + 1]) for index in range(3)}
+
+
 def mlp_workload(config: MLPConfig = MLPConfig()) -> JaxWorkload:
     """A 3-layer GELU MLP classifier on random data."""
     import jax
@@ -85,8 +91,7 @@ def mlp_workload(config: MLPConfig = MLPConfig()) -> JaxWorkload:
     import optax
 
     keys = jax.random.split(jax.random.PRNGKey(SEED), 5)
-    widths = (config.in_features, config.hidden_features, config.hidden_features, config.num_classes)
-    params = {f"fc{index}": _dense(keys[index], widths[index], widths[index + 1]) for index in range(3)}
+    widths, params = _mlp_params(config, keys)
     batch = {
         "inputs": jax.random.normal(keys[3], (config.batch_size, config.in_features), jnp.float32),  # (B, F)
         "targets": jax.random.randint(keys[4], (config.batch_size,), 0, config.num_classes),  # (B,)
@@ -99,9 +104,7 @@ def mlp_workload(config: MLPConfig = MLPConfig()) -> JaxWorkload:
             hidden = hidden @ layer["w"] + layer["b"]
             if index < 2:
                 hidden = jax.nn.gelu(hidden)
-        log_probs = jax.nn.log_softmax(hidden, axis=-1)  # (B, classes)
-        one_hot = jax.nn.one_hot(batch["targets"], config.num_classes, dtype=log_probs.dtype)
-        return -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
+        return _cross_entropy(hidden, batch["targets"], config.num_classes)
 
     return JaxWorkload(
         params=params, batch=batch, loss_fn=loss_fn, optimizer=optax.adamw(config.learning_rate),
@@ -196,8 +199,7 @@ def dropout_mlp_workload(config: DropoutMLPConfig = DropoutMLPConfig()) -> JaxWo
     import optax
 
     keys = jax.random.split(jax.random.PRNGKey(SEED), 5)
-    widths = (config.in_features, config.hidden_features, config.hidden_features, config.num_classes)
-    params = {f"fc{index}": _dense(keys[index], widths[index], widths[index + 1]) for index in range(3)}
+    widths, params = _mlp_params(config, keys)
     batch = _classification_batch(keys[3], config.batch_size, config.in_features, config.num_classes)
     batch["dropout_key"] = jax.random.PRNGKey(SEED + 1)  # (2,) uint32
     keep_rate = 1.0 - config.dropout_rate
