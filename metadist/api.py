@@ -137,7 +137,7 @@ class CompiledTrainStep:
     def _compile(self, model: Any, optimizer: Any, batch: Any) -> None:
         from .frontends.torch import capture_step
         from .runtime import read_torchrun_env, setup_device_mesh
-        from .runtime.build import StepOptions, compile_captured, read_plan_source
+        from .runtime.build import StepOptions, bytes_from_mib, compile_captured, read_plan_source
 
         mesh, device_mesh = self._mesh()
         if device_mesh is None:
@@ -146,7 +146,7 @@ class CompiledTrainStep:
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
-                              init_fn=self.options.init_fn, bucket_cap_bytes=_mib(self.options.bucket_cap_mb),
+                              init_fn=self.options.init_fn, bucket_cap_bytes=bytes_from_mib(self.options.bucket_cap_mb),
                               overlap=self.options.overlap)
         self.compiled, _ = compile_captured(self.torch_step, mesh, device_mesh, options)
 
@@ -234,10 +234,6 @@ def plan(
     graph, rules = capture_and_discover(workload, rules_db)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
     return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
-
-
-def _mib(value: float | None) -> int | None:
-    return None if value is None else int(value * (1 << 20))
 
 
 def _batch_signature(batch: Any) -> tuple:

@@ -34,11 +34,9 @@ import math
 from dataclasses import dataclass
 
 from ..ir import Graph, Role
+from ..lowering.coalesce import DEFAULT_BUCKET_CAP_BYTES
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucketing", "NO_BUCKETING", "bucketing_for", "OUTPUT_CONSUMER"]
-
-DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
-"""The runtime's default bucket (:data:`metadist.lowering.coalesce.DEFAULT_BUCKET_CAP_BYTES`, 25 MiB)."""
 
 OUTPUT_CONSUMER = ""
 """The consumer name of a graph output's edge (the end of the step)."""

@@ -21,7 +21,7 @@ from .plan_source import PLAN_SOURCES, load_plan, plan_decisions
 from .setup import check_same_everywhere
 from .step import CompiledStep
 
-__all__ = ["StepOptions", "compile_captured", "read_plan_source"]
+__all__ = ["StepOptions", "bytes_from_mib", "compile_captured", "read_plan_source"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,11 @@ class StepOptions:
     """Cap of a coalesced collective, in the runtime and in the solver's cost model (None: default, 0: off)."""
     overlap: bool = True
     """Issue each collective as early as its sources allow and wait right before its first reader (False: at once)."""
+
+
+def bytes_from_mib(mib: float | None) -> int | None:
+    """A size given in MiB (``--bucket-cap-mb``, ``bucket_cap_mb=``) in bytes; None stays None."""
+    return None if mib is None else int(mib * (1 << 20))
 
 
 def read_plan_source(source: str | Plan) -> str | Plan:

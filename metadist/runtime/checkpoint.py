@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
 from ..ir import Replicate, Shard
+from ..lowering import contiguous_strides
 from .errors import RunInputError
 
 if TYPE_CHECKING:
@@ -47,16 +48,15 @@ def dtensor_placements(sharding: tuple) -> tuple:
 def sharded_state_dict(step: "CompiledStep") -> dict[str, DTensor]:
     """Every parameter, buffer and optimizer state of ``step`` as a DTensor over its local shard (no copy)."""
     step._require_state()
-    by_name = {program_input.name: program_input for program_input in step.program.inputs}
     result = {}
     for name, local in step._state.items():
         if step._slots[name].kind == "constant":
             continue
-        program_input = by_name[name]
+        program_input = step._program_inputs[name]
         shape = torch.Size(program_input.spec.shape)
         result[name] = DTensor.from_local(
             local, step.device_mesh, dtensor_placements(program_input.sharding), run_check=False,
-            shape=shape, stride=_contiguous_stride(shape),
+            shape=shape, stride=contiguous_strides(shape),
         )
     return result
 
@@ -87,10 +87,3 @@ def load_checkpoint(step: "CompiledStep", path: str | os.PathLike) -> None:
     for name, tensor in staged.items():
         step._state[name].copy_(tensor.to_local())
 
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))

@@ -86,8 +86,8 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
     rules = rules_from_database(torch_step.graph, TorchExecutor())
     resolved = resolve_cluster(cluster, mesh)
     if source == "solver":
-        bucketing = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
-        return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes, **bucketing)
+        return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes,
+                          bucket_cap_bytes=bucket_cap_bytes)
     return baseline_plan(torch_step.graph, rules, resolved, source)
 
 

@@ -85,6 +85,7 @@ class CompiledStep:
         self._state: dict[str, torch.Tensor] | None = None
         self._grads: dict[str, torch.Tensor] = {}
         self._slots = {slot.name: slot for slot in torch_step.slots}
+        self._program_inputs = {program_input.name: program_input for program_input in self.program.inputs}
         self.check_shapes = check_shapes
         self.init_seed, self.init_fn = init_seed, init_fn
         self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
@@ -114,12 +115,11 @@ class CompiledStep:
     def _load_meta_state(self, model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
         """The state shards of a model with meta tensors: each unit materialised, sliced, dropped in turn."""
         by_key = {(slot.kind, slot.key): slot.name for slot in self.torch_step.slots if slot.kind in ("param", "buffer")}
-        inputs = {program_input.name: program_input for program_input in self.program.inputs}
         state: dict[str, torch.Tensor] = {}
         for item in iter_materialized(model, seed=self.init_seed, init_fn=self.init_fn):
             name = by_key.get((item.kind, item.name))
             if name is not None:  # tensors the step never reads are not inputs
-                state[name] = self._shard(item.tensor, inputs[name])
+                state[name] = self._shard(item.tensor, self._program_inputs[name])
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         for program_input in self.program.inputs:
             slot = self._slots[program_input.name]
@@ -190,9 +190,8 @@ class CompiledStep:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors of every parameter, buffer and optimizer state, by graph input name (collective)."""
         self._require_state()
-        by_name = {program_input.name: program_input for program_input in self.program.inputs}
         return {
-            name: self._gather(local, name, by_name[name].sharding)
+            name: self._gather(local, name, self._program_inputs[name].sharding)
             for name, local in self._state.items()
             if self._slots[name].kind != "constant"
         }

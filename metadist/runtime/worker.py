@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import Mesh
+from .build import bytes_from_mib
 from .env import read_torchrun_env
 from .errors import USER_ERRORS
 from .setup import setup_device_mesh, teardown
@@ -95,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         check=args.check, seed=args.seed, timeout_s=args.timeout_s, optimizer=args.optimizer,
         cluster=args.cluster, check_shapes=args.check_shapes,
         compile_backend=args.compile_backend, device=args.device, init_seed=args.init_seed,
-        bucket_cap_bytes=None if args.bucket_cap_mb is None else int(args.bucket_cap_mb * (1 << 20)),
+        bucket_cap_bytes=bytes_from_mib(args.bucket_cap_mb),
         overlap=not args.no_overlap,
     )
 

@@ -43,13 +43,13 @@ def plan_graph(
     time_limit_s: float = 60.0,
     beam_width: int = 16,
     restrictions: Restrictions = Restrictions(),
-    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES,
+    bucket_cap_bytes: float | None = None,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest strategies that fit ``memory_budget_bytes`` per device.
 
     ``rules``: node name -> Rule, or ShardCombine's GraphRules (nodes without a rule replicate).
     ``memory_budget_bytes``: None for the device's capacity; ``float('inf')`` for no budget.
-    ``bucket_cap_bytes``: the runtime's coalescing bucket (the lowering's ``bucket_cap_bytes``; 0: off),
+    ``bucket_cap_bytes``: the runtime's coalescing bucket (the lowering's ``bucket_cap_bytes``; None: its default, 0: off),
     which decides how update-phase collectives are priced (:mod:`metadist.cost.bucketing`).
     """
     if solver not in SOLVERS:
@@ -57,7 +57,7 @@ def plan_graph(
     rule_map, missing = split_rules(rules)
     budget = cluster.device.memory_capacity_bytes if memory_budget_bytes is None else memory_budget_bytes
     budget = None if budget == float("inf") else float(budget)
-    problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, bucket_cap_bytes))
+    problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes))
     for _ in range(MAX_PEAK_ROUNDS):
         solution = _solve(problem, budget, solver, time_limit_s, beam_width)
         assignment = assignment_from(problem, solution.choice)
