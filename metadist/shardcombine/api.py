@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Mapping, Protocol
 
 from ..ir import Graph, Rule
+from ..progress import phase
 from .discover import DiscoveryConfig, NoRule, discover
 from .executor import OpCall, OpExecutor, op_call
 from .signature import OpSignature, signature_of
@@ -94,7 +95,7 @@ def graph_rules(
     outcomes: dict[OpSignature, Rule | str] = {}
     from_db = 0
     seconds: list[float] = []
-    with _progress(progress, len(groups)) as advance:
+    with _progress(progress, len(groups)) as advance, phase("discovery", total=len(groups)) as advance_phase:
         for signature, calls in groups.items():
             stored = db.get(signature.key, executor.framework, _version_key(executor)) if db is not None else None
             if stored is not None:
@@ -108,6 +109,7 @@ def graph_rules(
                     db.put(signature.key, executor.framework, _version_key(executor), outcomes[signature],
                            signature.target, discovery_seconds=seconds[-1])
             advance(signature.target)
+            advance_phase(signature.target)
     rules, missing, keys = {}, {}, {}
     for signature, calls in groups.items():
         for call in calls:
