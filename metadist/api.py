@@ -33,7 +33,8 @@ class CompileOptions:
     """How ``metadist.compile`` plans and runs a step."""
 
     mesh: Any = None
-    """A shape tuple such as ``(2, 2)``, a :class:`metadist.Mesh`, a ``DeviceMesh``, or None for all ranks in 1-D."""
+    """A shape tuple such as ``(2, 2)``, a :class:`metadist.Mesh`, a ``DeviceMesh``, or None for all ranks in 1-D
+    (or, for a model that already holds sharded state, the mesh that state lies on)."""
     memory_gb: float | None = None
     """Per-device memory budget for the solver, in GB (1e9 bytes, as the CLI's --memory-gb); None for no budget."""
     cluster: str | None = None
@@ -55,53 +56,95 @@ class CompileOptions:
     init_fn: Callable | None = None
     """A model on the meta device: ``init_fn(module)`` initialises a module's own tensors, instead of its
     ``reset_parameters()`` or HuggingFace's ``_init_weights`` (see ``metadist.materialize``)."""
+    batch: str = "global"
+    """``global``: every rank passes the whole batch, the same on every rank (checked); ``local``: each rank passes
+    its own slice along dim 0, the global batch being the slices in rank order (as with a DistributedSampler)."""
+    verify_batch: str = "first"
+    """When a global batch is checked to be the same on every rank (a checksum per leaf, compared across ranks):
+    ``first`` (the first call of each compiled shape), ``always`` (every call; for debugging) or ``never``."""
+    max_cached: int = 8
+    """Compiled variants kept (one per batch shape, training/eval mode and optimizer structure)."""
+
+    def __post_init__(self) -> None:
+        if self.batch not in ("global", "local"):
+            raise ValueError(f"batch={self.batch!r}: choose 'global' (every rank passes the whole batch) or 'local'")
+        if self.verify_batch not in ("first", "always", "never"):
+            raise ValueError(f"verify_batch={self.verify_batch!r}: choose 'first', 'always' or 'never'")
+        if self.max_cached < 1:
+            raise ValueError(f"max_cached must be at least 1, got {self.max_cached}")
 
 
 class CompiledTrainStep:
-    """A user's ``train_step(model, optimizer, batch)``, compiled on first call and run distributed after.
+    """A user's step, compiled on first call and run distributed after.
 
-    State (parameters, buffers, optimizer states) stays sharded between calls;
-    :meth:`state_dict` gathers full tensors on request, :meth:`sync_to_model`
-    writes them back into the user's model and optimizer, :meth:`sharded_state_dict`
-    gives the shards as DTensors, and :meth:`save`/:meth:`load` checkpoint them
-    with torch.distributed.checkpoint (a checkpoint loads under another plan).
+    ``train_step(model, optimizer, batch)`` trains; ``eval_step(model, batch)`` (no optimizer, e.g. a forward
+    under ``torch.no_grad()``) evaluates. Either way the state lives in the user's model and optimizer, as
+    DTensors over each rank's shards (the FSDP2 convention): ``model.state_dict()``, ``optimizer.state_dict()``
+    and ``model(x)`` are current after every step. Hyperparameters are read from ``optimizer.param_groups`` at
+    every call, so LR schedulers work as they do eagerly.
 
-    A model built on the meta device is initialised shard by shard: each rank
-    materialises only its shards, with the values ``metadist.materialize``
-    gives the whole model on one device.
+    A call whose batch shapes, training/eval mode (``model.train()``/``model.eval()``) or optimizer structure
+    (groups, flags) differ from every compiled variant compiles one more (cached, up to ``max_cached``). A model
+    that already holds sharded state keeps it where it lies: the new plan takes those placements as given.
+    :meth:`save`/:meth:`load` checkpoint the state with torch.distributed.checkpoint (loadable under another plan).
     """
 
     def __init__(self, fn: Callable, options: CompileOptions) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.options = options
+        self.takes_optimizer = _takes_optimizer(fn)
+        self._variants: dict[tuple, Any] = {}
+        self._device_mesh = None
         self.compiled = None
-        self.torch_step = None
-        self._bound: tuple[int, int, tuple] | None = None
+        """The compiled step (a ``CompiledStep``) of the last call."""
 
-    def __call__(self, model: Any, optimizer: Any, batch: Any) -> Any:
-        key = (id(model), id(optimizer), _batch_signature(batch))
-        if self.compiled is not None and key != self._bound:
-            if key[:2] != self._bound[:2]:
-                from .runtime.errors import RunInputError
+    @property
+    def torch_step(self) -> Any:
+        return None if self.compiled is None else self.compiled.torch_step
 
-                raise RunInputError(
-                    "this compiled step was compiled for another model or optimizer object; "
-                    "compile one step per model (apply metadist.compile to a new function)"
-                )
-            log.warning("batch shapes changed from %s to %s: compiling the step again", self._bound[2], key[2])
-            self.sync_to_model(model, optimizer)
-            self.compiled = None
+    def __call__(self, model: Any, *args: Any) -> Any:
+        optimizer, batch = self._arguments(args)
         self.prepare(model, optimizer, batch)
         return self.compiled(model, optimizer, batch)
 
+    def _arguments(self, args: tuple) -> tuple[Any, Any]:
+        expected = 2 if self.takes_optimizer else 1
+        if len(args) != expected:
+            from .runtime.errors import RunInputError
+
+            form = "(model, optimizer, batch)" if self.takes_optimizer else "(model, batch)"
+            raise RunInputError(f"{getattr(self.fn, '__name__', 'the step')} was written as {form}; call it so")
+        return (args[0], args[1]) if self.takes_optimizer else (None, args[0])
+
     def prepare(self, model: Any, optimizer: Any, batch: Any) -> None:
-        """Compile for this model, optimizer and batch shapes and shard the state, without running a step
+        """Compile for this model, optimizer, batch shapes and mode, and place the state, without running a step
         (e.g. before :meth:`load`)."""
-        if self.compiled is None:
-            self._compile(model, optimizer, batch)
-            self._bound = (id(model), id(optimizer), _batch_signature(batch))
-        self.compiled.prepare(model, optimizer, batch)
+        key = self._key(model, optimizer, batch)
+        compiled = self._variants.get(key)
+        if compiled is None:
+            if self._variants:
+                log.warning("compiling %s again: %s", getattr(self.fn, "__name__", "the step"), self._why_new(key))
+            compiled = self._compile(model, optimizer, batch)
+            if len(self._variants) >= self.options.max_cached:
+                self._variants.pop(next(iter(self._variants)))
+            self._variants[key] = compiled
+        else:  # most recently used last
+            self._variants[key] = self._variants.pop(key)
+        compiled.prepare(model, optimizer, batch)
+        self.compiled = compiled
+
+    def _key(self, model: Any, optimizer: Any, batch: Any) -> tuple:
+        from .frontends.torch.optim import optimizer_structure
+
+        modes = tuple(module.training for module in model.modules())
+        return (id(model), id(optimizer), _batch_signature(batch), modes, optimizer_structure(optimizer))
+
+    def _why_new(self, key: tuple) -> str:
+        last = next(reversed(self._variants))
+        parts = ["model or optimizer object", "batch shapes", "train/eval mode", "optimizer structure"]
+        changed = [part for part, new, old in zip(parts, (key[:2],) + key[2:], (last[:2],) + last[2:]) if new != old]
+        return f"{', '.join(changed) or 'inputs'} changed since the last compiled variant"
 
     @property
     def plan(self) -> Plan:
@@ -109,14 +152,16 @@ class CompiledTrainStep:
         return self.compiled.plan
 
     def state_dict(self) -> dict:
-        """Full (unsharded) parameters, buffers and optimizer states, by graph input name."""
+        """Full (unsharded) parameters, buffers and optimizer states, by graph input name (collective)."""
         self._require_compiled()
         return self.compiled.state_dict()
 
-    def sync_to_model(self, model: Any, optimizer: Any) -> None:
-        """Write the full updated state back into the user's model and optimizer."""
-        self._require_compiled()
-        self.compiled.write_back(model, optimizer)
+    def sync_to_model(self, model: Any = None, optimizer: Any = None) -> None:
+        """Deprecated, and a no-op: the model and the optimizer hold the current state after every step."""
+        import warnings
+
+        warnings.warn("sync_to_model is no longer needed: the model and optimizer hold the current (sharded) state "
+                      "after every step", DeprecationWarning, stacklevel=2)
 
     def sharded_state_dict(self) -> dict:
         """Parameters, buffers and optimizer states as DTensors over this rank's shards, by graph input name."""
@@ -134,43 +179,109 @@ class CompiledTrainStep:
         self._require_compiled()
         self.compiled.load_checkpoint(path)
 
-    def _compile(self, model: Any, optimizer: Any, batch: Any) -> None:
+    def _compile(self, model: Any, optimizer: Any, batch: Any) -> Any:
         from .frontends.torch import capture_step
-        from .runtime import read_torchrun_env, setup_device_mesh
         from .runtime.build import StepOptions, bytes_from_mib, compile_captured, read_plan_source
 
-        mesh, device_mesh = self._mesh()
-        if device_mesh is None:
-            device_mesh = setup_device_mesh(mesh, read_torchrun_env(), timeout_s=self.options.timeout_s)
-        self.torch_step = capture_step(self.fn, model, optimizer, batch, name=getattr(self.fn, "__name__", "step"))
+        mesh, device_mesh = self._mesh(model)
+        capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
+        step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
+        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"))
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
                               init_fn=self.options.init_fn, bucket_cap_bytes=bytes_from_mib(self.options.bucket_cap_mb),
-                              overlap=self.options.overlap)
-        self.compiled, _ = compile_captured(self.torch_step, mesh, device_mesh, options)
+                              overlap=self.options.overlap, batch_mode=self.options.batch,
+                              verify_batch=self.options.verify_batch, pinned=_placed_shardings(torch_step, model, device_mesh))
+        compiled, _ = compile_captured(torch_step, mesh, device_mesh, options)
+        return compiled
 
-    def _mesh(self) -> tuple[Mesh, Any]:
-        """The logical mesh, and the DeviceMesh if the user gave one."""
+    def _mesh(self, model: Any) -> tuple[Mesh, Any]:
+        """The logical mesh and its DeviceMesh: the user's, the one the model's state lies on, or a new one."""
+        from .runtime import read_torchrun_env, setup_device_mesh
+
         mesh = self.options.mesh
         if mesh is not None and type(mesh).__name__ == "DeviceMesh":
-            names = tuple(mesh.mesh_dim_names or ())
-            return Mesh(tuple(mesh.shape), names), mesh
-        if isinstance(mesh, Mesh):
-            return mesh, None
+            return Mesh(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ())), mesh
+        if self._device_mesh is None:
+            self._device_mesh = _mesh_of_model(model)
         if mesh is None:
-            from .runtime import read_torchrun_env
-
-            return Mesh((read_torchrun_env().world_size,)), None
-        if isinstance(mesh, str):
-            return Mesh.parse(mesh), None
-        return Mesh(tuple(mesh)), None
+            logical = (Mesh(tuple(self._device_mesh.shape), tuple(self._device_mesh.mesh_dim_names or ()))
+                       if self._device_mesh is not None else Mesh((read_torchrun_env().world_size,)))
+        elif isinstance(mesh, Mesh):
+            logical = mesh
+        else:
+            logical = Mesh.parse(mesh) if isinstance(mesh, str) else Mesh(tuple(mesh))
+        if self._device_mesh is None or tuple(self._device_mesh.shape) != logical.shape:
+            self._device_mesh = setup_device_mesh(logical, read_torchrun_env(), timeout_s=self.options.timeout_s)
+        return logical, self._device_mesh
 
     def _require_compiled(self) -> None:
         if self.compiled is None:
             from .runtime.errors import RunInputError
 
             raise RunInputError("the step has not run yet: call it once (it compiles on the first call)")
+
+
+def _takes_optimizer(fn: Callable) -> bool:
+    """``fn(model, optimizer, batch)`` trains; ``fn(model, batch)`` evaluates."""
+    import inspect
+
+    try:
+        parameters = [p for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):  # no signature to read (a builtin): the training form
+        return True
+    if len(parameters) not in (2, 3):
+        raise TypeError(f"metadist.compile takes train_step(model, optimizer, batch) or eval_step(model, batch); "
+                        f"{getattr(fn, '__name__', fn)!r} has {len(parameters)} required positional parameters")
+    return len(parameters) == 3
+
+
+def _without_optimizer(fn: Callable) -> Callable:
+    def step(model, optimizer, batch):
+        return fn(model, batch)
+
+    step.__name__ = getattr(fn, "__name__", "eval_step")
+    return step
+
+
+def _mesh_of_model(model: Any) -> Any:
+    """The DeviceMesh the model's sharded state lies on, or None."""
+    for param in model.parameters():
+        if hasattr(param, "device_mesh"):
+            return param.device_mesh
+    return None
+
+
+def _placed_shardings(torch_step: Any, model: Any, device_mesh: Any) -> dict:
+    """Graph input name -> the sharding the model's state already has on ``device_mesh`` (kept by the new plan)."""
+    from .runtime.checkpoint import metadist_sharding
+    from .runtime.model_state import holders_of, is_sharded_here
+
+    holders = holders_of(model)
+    placed = {}
+    for slot in torch_step.slots:
+        if slot.kind not in ("param", "buffer"):
+            continue
+        tensor = holders[(slot.kind, slot.key)][0].get()
+        if is_sharded_here(tensor, device_mesh):
+            placed[slot.name] = metadist_sharding(tensor.placements)
+    return placed
+
+
+def _global_batch_for_capture(batch: Any) -> Any:
+    """With ``batch='local'``: meta tensors of the global shapes (every rank's slice along dim 0), for capture."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    from .runtime.start_state import local_batch_shapes
+
+    with_paths, tree = pytree.tree_flatten_with_path(batch)
+    leaves = [leaf for _, leaf in with_paths]
+    shapes = local_batch_shapes(leaves, [pytree.keystr(path) for path, _ in with_paths])
+    fakes = [torch.empty(shape, dtype=leaf.dtype, device="meta") for shape, leaf in zip(shapes, leaves)]
+    return pytree.tree_unflatten(fakes, tree)
 
 
 def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - the public name is the point

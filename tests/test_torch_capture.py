@@ -105,7 +105,9 @@ def test_graph_is_one_functional_graph_with_roles_and_links():
     targets = {node.op.target for node in graph.nodes}
     assert not [t for t in targets if t.split(".")[1].endswith("_")], "in-place ops left in the graph"
     assert "aten.mm.default" in targets and "aten.embedding_dense_backward.default" in targets  # backward is in
-    assert "aten.lerp.Scalar" in targets  # the AdamW update is in
+    assert "aten.lerp.Tensor" in targets  # the AdamW update is in, its weight (1 - beta1) a live input
+    hyper = {graph_input.source for graph_input in graph.inputs_by_role(Role.HYPERPARAMETER)}
+    assert hyper == {"0.lr", "0.beta1", "0.beta2", "0.eps", "0.weight_decay"}
     # tied weights: lm_head.weight is transformer.wte.weight, one parameter
     params = {graph_input.source for graph_input in graph.inputs_by_role(Role.PARAM)}
     assert "transformer.wte.weight" in params and "lm_head.weight" not in params

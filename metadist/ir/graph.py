@@ -70,6 +70,8 @@ class Role(str, enum.Enum):
     GRAD = "grad"
     BATCH = "batch"
     CONSTANT = "constant"
+    HYPERPARAMETER = "hyperparameter"
+    """A training-loop value the user may change between steps (learning rate, betas...): a 0-dim input."""
     ACTIVATION = "activation"
     LOSS = "loss"
 

@@ -7,9 +7,9 @@ plan, and build this rank's :class:`CompiledStep`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..frontends.torch import TorchStep
 from ..ir import Mesh
 from ..ir.plan import Plan
+from ..progress import enter
 from .plan_source import PLAN_SOURCES, load_plan, plan_decisions
 from .setup import check_same_everywhere
 from .step import CompiledStep
@@ -46,6 +47,13 @@ class StepOptions:
     """Cap of a coalesced collective, in the runtime and in the solver's cost model (None: default, 0: off)."""
     overlap: bool = True
     """Issue each collective as early as its sources allow and wait right before its first reader (False: at once)."""
+    batch_mode: str = "global"
+    """``global`` (every rank passes the whole batch) or ``local`` (each rank its slice along dim 0)."""
+    verify_batch: str = "first"
+    """When a global batch is checked to be the same on every rank: ``first``, ``always`` or ``never``."""
+    pinned: Mapping[str, tuple] = field(default_factory=dict)
+    """Graph input name -> the sharding its state already lies in; the solver keeps it (baselines and plan files
+    do not: the state is then resharded to them when the step binds)."""
 
 
 def bytes_from_mib(mib: float | None) -> int | None:
@@ -66,11 +74,13 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
     from .. import __version__
 
     plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster,
-                     bucket_cap_bytes=options.bucket_cap_bytes)
+                     bucket_cap_bytes=options.bucket_cap_bytes, pinned=options.pinned)
     plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
+    enter("lowering")
     compiled = CompiledStep(
         torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
         compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
-        bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap,
+        bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap, batch_mode=options.batch_mode,
+        verify_batch=options.verify_batch,
     )
     return compiled, plan_hash

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Mapping
 
 from ..frontends.torch import TorchStep
 from ..ir import Mesh
 from ..ir.plan import Plan
 from ..lowering import replicate_plan
+from ..progress import enter
 from .errors import RuntimeSetupError
 
 __all__ = ["load_plan", "plan_decisions", "PLAN_SOURCES"]
@@ -29,6 +31,7 @@ def load_plan(
     cluster: str | None = None,
     *,
     bucket_cap_bytes: int | None = None,
+    pinned: Mapping[str, tuple] | None = None,
 ) -> Plan:
     """The plan for ``torch_step.graph`` on ``mesh`` from ``source`` (checked against the graph).
 
@@ -37,6 +40,7 @@ def load_plan(
     or a :class:`Plan` already read.
     ``cluster``: the cost model's cluster preset or file (None: ``cpu-gloo`` on CPU).
     ``bucket_cap_bytes``: the runtime's coalescing cap, which the solver prices (None: default).
+    ``pinned``: graph input name -> the sharding its state already lies in, which the solver keeps.
     """
     graph = torch_step.graph
     if isinstance(source, Plan):
@@ -44,7 +48,7 @@ def load_plan(
     elif source == "replicate":
         plan = replicate_plan(graph, mesh, metadist_version)
     elif source in PLAN_SOURCES:
-        plan = _solver_plan(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes)
+        plan = _solver_plan(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, dict(pinned or {}))
     else:
         path = Path(source)
         if not path.is_file():
@@ -58,7 +62,7 @@ def load_plan(
 
 
 def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,
-                 bucket_cap_bytes: int | None) -> Plan:
+                 bucket_cap_bytes: int | None, pinned: dict) -> Plan:
     """Rank 0 discovers the rules and solves; the other ranks receive its plan as JSON.
 
     Planning once and broadcasting keeps every rank on the same plan even when the
@@ -67,27 +71,32 @@ def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_b
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes)
-    text = _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes).to_json() if dist.get_rank() == 0 else ""
+        return _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned)
+    text = (_solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned).to_json()
+            if dist.get_rank() == 0 else "")
+    enter("waiting for rank 0's plan", quiet=True)
     return Plan.from_json(_broadcast_text(text))
 
 
 def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,
-           bucket_cap_bytes: int | None) -> Plan:
+           bucket_cap_bytes: int | None, pinned: dict) -> Plan:
     import torch
 
     from ..cost.cluster import resolve_cluster
     from ..frontends.torch.discovery import TorchExecutor
     from ..shardcombine.api import rules_from_database
     from ..solver import baseline_plan, plan_graph
+    from ..solver.problem import Restrictions
 
     if cluster is None and not torch.cuda.is_available():
         cluster = "cpu-gloo"
-    rules = rules_from_database(torch_step.graph, TorchExecutor())
+    rules = rules_from_database(torch_step.graph, TorchExecutor())  # marks the "discovery" phase
+    enter("solve")
     resolved = resolve_cluster(cluster, mesh)
     if source == "solver":
+        restrictions = Restrictions(input_shardings={name: frozenset({sharding}) for name, sharding in pinned.items()})
         return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes,
-                          bucket_cap_bytes=bucket_cap_bytes)
+                          bucket_cap_bytes=bucket_cap_bytes, restrictions=restrictions)
     return baseline_plan(torch_step.graph, rules, resolved, source)
 
 

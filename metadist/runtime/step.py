@@ -1,18 +1,18 @@
-"""``CompiledStep``: one distributed training step, run from the user's model, optimizer and batch.
+"""``CompiledStep``: one distributed training step, run on the state the user's model and optimizer hold.
 
-On the first call the step takes the full state from the model and the
-optimizer (params, buffers, optimizer states; every rank slices its shard of
-the full tensors) and keeps the shards between steps: updated state never
-leaves its shards, so the model and optimizer are not touched until
-:meth:`CompiledStep.write_back`. Every call slices the rank's piece of the
-global batch. The loss (and any other user output) comes back whole.
+On the first call the step places the state: every rank checks that all ranks
+hold the same model structure and takes rank 0's values (:mod:`.start_state`),
+slices its shard of each parameter, buffer and optimizer state, and puts the
+shards into the model and the optimizer as DTensors (:mod:`.model_state`); the
+full tensors are dropped. A model built on the meta device is initialised one
+module at a time instead (:func:`metadist.frontends.torch.materialize.iter_materialized`),
+each rank keeping only its shards, with the values ``materialize(model)`` gives
+on one device; fresh optimizer state is created as local zeros.
 
-Weights: a model on a real device is sharded from its full tensors. A model
-on the meta device is initialised one module at a time
-(:func:`metadist.frontends.torch.materialize.iter_materialized`): each rank
-keeps only its shards of each module's tensors, with exactly the values
-``materialize(model)`` gives on one device; fresh optimizer state is created
-as local zeros. The model itself stays on ``meta``.
+Every call then reads the shards from the model and optimizer, the live
+hyperparameters from ``optimizer.param_groups`` and this rank's piece of the
+batch, runs the rank program, and rebinds the updated shards in place. The loss
+(and any other user output) comes back whole.
 """
 
 from __future__ import annotations
@@ -25,23 +25,33 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..frontends.torch import TorchStep
-from ..frontends.torch.materialize import has_meta_tensors, iter_materialized
+from ..frontends.torch.capture import hyperparameter_tensor
+from ..frontends.torch.materialize import iter_materialized
+from ..frontends.torch.optim import hyperparameter_values, optimizer_spec, optimizer_structure
 from ..ir import Replicate, Role, Shard
 from ..ir.plan import Plan
 from ..lowering import ProgramInput, RankProgram, lower, plan_resharding
+from .checkpoint import dtensor_placements
 from .collectives import Collectives, run_steps
 from .errors import RunInputError, RuntimeSetupError
 from .graph_module import CheckingInterpreter, build_rank_module
+from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
+from .outside import enable_outside_forward
+from .start_state import (
+    BroadcastReport, broadcast_start_state, check_same_batch, check_same_structure, gather_batch_dim0,
+)
 
-__all__ = ["CompiledStep", "shard_full_tensor"]
+__all__ = ["BATCH_MODES", "CompiledStep", "shard_full_tensor"]
 
 log = logging.getLogger(__name__)
 
-_STATE_KINDS = ("param", "buffer", "state", "constant")
+_STATE_KINDS = ("param", "buffer", "state")
 
+BATCH_MODES = ("global", "local")
+"""``global``: every rank passes the whole batch (checked alike); ``local``: each rank its slice along dim 0."""
 
 class CompiledStep:
-    """The distributed step of one rank: lowered program, its GraphModule, and the state shards."""
+    """The distributed step of one rank: lowered program, its GraphModule, bound to the user's model and optimizer."""
 
     def __init__(
         self,
@@ -56,15 +66,22 @@ class CompiledStep:
         init_fn: Callable[[torch.nn.Module], None] | None = None,
         bucket_cap_bytes: int | None = None,
         overlap: bool = True,
+        batch_mode: str = "global",
+        verify_batch: str = "first",
     ) -> None:
         """``check_shapes`` runs the program op by op and names the MetaIR node that fails (slower);
         ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs);
         ``init_seed`` and ``init_fn`` initialise a meta-device model (see :func:`iter_materialized`);
         ``bucket_cap_bytes`` caps the lowering's coalesced collectives (None: the default, 0: no coalescing);
         ``overlap`` issues each collective early and waits for it right before its first reader (False: each
-        runs to completion where it stands)."""
+        runs to completion where it stands); ``batch_mode`` is one of :data:`BATCH_MODES`; ``verify_batch``
+        (``first``, ``always`` or ``never``) says when a global batch is checked to be the same on every rank."""
         if check_shapes and compile_backend:
             raise RunInputError("check_shapes runs the program op by op; it cannot be combined with torch.compile")
+        if batch_mode not in BATCH_MODES:
+            raise RunInputError(f"batch={batch_mode!r}: choose one of {BATCH_MODES}")
+        if verify_batch not in ("first", "always", "never"):
+            raise RunInputError(f"verify_batch={verify_batch!r}: choose first, always or never")
         plan.check_for(torch_step.graph, metadist_version)
         if tuple(device_mesh.shape) != plan.mesh.shape:
             raise RuntimeSetupError(
@@ -82,96 +99,175 @@ class CompiledStep:
         self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values)
         log.info("rank at %s: %d instructions, %d reshards, on %s", self.coords, len(self.program.instructions),
                  len(self.program.reshards()), self.device)
-        self._state: dict[str, torch.Tensor] | None = None
-        self._grads: dict[str, torch.Tensor] = {}
         self._slots = {slot.name: slot for slot in torch_step.slots}
         self._program_inputs = {program_input.name: program_input for program_input in self.program.inputs}
         self.check_shapes = check_shapes
         self.init_seed, self.init_fn = init_seed, init_fn
+        self.batch_mode, self.verify_batch = batch_mode, verify_batch
         self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
+        self._binding: StateBinding | None = None
+        self._bound_to: tuple[int, int] | None = None
+        self._constants: dict[str, torch.Tensor] = {}
+        self._grads: dict[str, torch.Tensor] = {}
+        self._batch_checked = False
+        self.broadcast: BroadcastReport | None = None
+        """What placing the state broadcast (None until the state is placed)."""
 
     # -- running -------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> Any:
         """Run one step; returns what the user's step returns (the loss), whole on every rank."""
-        if self._state is None:
-            self._state = self._load_state(model, optimizer, batch)
-        inputs = self._inputs(batch)
+        self.prepare(model, optimizer, batch)
+        if optimizer_structure(optimizer) != self.torch_step.optimizer_structure:
+            raise RunInputError(
+                "the optimizer changed shape since this step was compiled (a parameter group added or removed, a flag "
+                "such as amsgrad/nesterov/maximize flipped, or weight decay/momentum turned on or off); compile again "
+                "(metadist.compile does so by itself)"
+            )
+        inputs = self._inputs(optimizer, batch)
         outputs = CheckingInterpreter(self.module).run(*inputs) if self.check_shapes else self._forward(*inputs)
-        return self._store(outputs)
+        result = self._store(outputs)
+        if optimizer is not None:
+            optimizer._opt_called = True  # what optimizer.step() records; LR schedulers read it
+        return result
 
-    def _load_state(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> dict[str, torch.Tensor]:
-        if has_meta_tensors(model):
-            return self._load_meta_state(model, optimizer)
-        full = self.torch_step.gather_inputs(model, optimizer, batch)
-        state = {}
-        for program_input, tensor in zip(self.program.inputs, full):
-            if self._slots[program_input.name].kind in _STATE_KINDS:
-                state[program_input.name] = self._shard(tensor, program_input)
-        return state
+    def prepare(self, model: torch.nn.Module, optimizer: Any, batch: Any = None) -> None:
+        """Place the state in the model and the optimizer for this plan (first call), without running a step."""
+        if self._bound_to == (id(model), id(optimizer)):
+            return
+        slots = self._state_slots()
+        self._place_state(model, optimizer, slots)
+        self._binding = StateBinding(model, optimizer, self.device_mesh, slots)
+        self._constants = {name: self._shard(self.torch_step.constants[slot.key], self._program_inputs[name])
+                           for name, slot in self._slots.items() if slot.kind == "constant"}
+        enable_outside_forward(model)
+        self._bound_to = (id(model), id(optimizer))
+
+    def _state_slots(self) -> list[StateSlot]:
+        slots = []
+        for program_input in self.program.inputs:
+            slot = self._slots[program_input.name]
+            if slot.kind in _STATE_KINDS:
+                slots.append(StateSlot(slot.name, slot.kind, slot.key, slot.state_key,
+                                       dtensor_placements(program_input.sharding), program_input.spec.shape))
+        return slots
+
+    def _place_state(self, model: torch.nn.Module, optimizer: Any, slots: list[StateSlot]) -> None:
+        """Shard every state tensor the model or optimizer does not already hold as this plan places it."""
+        holders = holders_of(model)
+        current = {slot.name: self._current(holders, optimizer, slot) for slot in slots}
+        on_meta = [slot for slot in slots if current[slot.name] is not None and current[slot.name].device.type == "meta"]
+        materialized: dict[str, torch.Tensor] = {}
+        if on_meta:
+            self.broadcast = BroadcastReport(0, 0, 0, 0.0)  # seeded initialisation agrees on every rank
+            materialized = self._materialized(model, on_meta)
+        else:
+            check_same_structure(model, optimizer)
+            self.broadcast = broadcast_start_state(model, optimizer, self.device)
+        shards = []
+        for slot in slots:
+            tensor = current[slot.name]
+            if slot.name in materialized:
+                shards.append((slot, materialized[slot.name]))
+            elif not (tensor is not None and is_sharded_here(tensor, self.device_mesh)
+                      and tuple(tensor.placements) == slot.placements):
+                shards.append((slot, self._local_shard(tensor, slot)))
+        install(model, optimizer, self.device_mesh, shards)
+
+    @staticmethod
+    def _current(holders: dict, optimizer: Any, slot: StateSlot) -> torch.Tensor | None:
+        """The tensor the model or optimizer holds for ``slot`` now (None: optimizer state not created yet)."""
+        if slot.kind in ("param", "buffer"):
+            return holders[(slot.kind, slot.key)][0].get()
+        param = holders[("param", slot.key)][0].get()
+        return optimizer.state.get(param, {}).get(slot.state_key) if optimizer is not None else None
+
+    def _materialized(self, model: torch.nn.Module, on_meta: list[StateSlot]) -> dict[str, torch.Tensor]:
+        """This rank's shards of the meta tensors, each unit materialised, sliced and dropped in turn."""
+        state = [slot for slot in on_meta if slot.kind == "state"]
+        if state:
+            raise RuntimeSetupError(
+                f"optimizer state {state[0].state_key!r} of parameter {state[0].key!r} is on the meta device and has "
+                "no values; build the optimizer before its first step (MetaDist creates fresh state) or load real state"
+            )
+        wanted = {(slot.kind, slot.key): slot for slot in on_meta}
+        shards = {}
+        for item in iter_materialized(model, seed=self.init_seed, init_fn=self.init_fn):
+            slot = wanted.get((item.kind, item.name))
+            if slot is not None:  # tensors the step never reads are not inputs
+                shards[slot.name] = self._shard(item.tensor, self._program_inputs[slot.name])
+        missing = [slot.key for slot in on_meta if slot.name not in shards]
+        if missing:
+            raise RuntimeSetupError(f"internal: the meta-device tensors {missing[:3]} were not materialised")
+        return shards
+
+    def _local_shard(self, tensor: torch.Tensor | None, slot: StateSlot) -> torch.Tensor:
+        """This rank's shard of ``tensor`` for ``slot``: fresh optimizer state, a full tensor, or another placement."""
+        program_input = self._program_inputs[slot.name]
+        if tensor is None:  # optimizer state torch creates lazily: zeros, and a float32 step count of 0
+            return torch.zeros(program_input.local_shape, dtype=getattr(torch, program_input.spec.dtype), device=self.device)
+        if hasattr(tensor, "device_mesh"):
+            return place(tensor, self.device_mesh, slot.placements)._local_tensor.to(self.device)
+        return self._shard(tensor.detach(), program_input)
 
     def _shard(self, tensor: torch.Tensor, program_input: ProgramInput) -> torch.Tensor:
         return shard_full_tensor(tensor, program_input.sharding, self.plan.mesh.shape, self.coords).to(self.device)
 
-    def _load_meta_state(self, model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-        """The state shards of a model with meta tensors: each unit materialised, sliced, dropped in turn."""
-        by_key = {(slot.kind, slot.key): slot.name for slot in self.torch_step.slots if slot.kind in ("param", "buffer")}
-        state: dict[str, torch.Tensor] = {}
-        for item in iter_materialized(model, seed=self.init_seed, init_fn=self.init_fn):
-            name = by_key.get((item.kind, item.name))
-            if name is not None:  # tensors the step never reads are not inputs
-                state[name] = self._shard(item.tensor, self._program_inputs[name])
-        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        for program_input in self.program.inputs:
-            slot = self._slots[program_input.name]
-            if slot.kind not in _STATE_KINDS or program_input.name in state:
-                continue
-            if slot.kind == "param":
-                state[program_input.name] = self._shard(params[slot.key].detach(), program_input)
-            elif slot.kind == "buffer":
-                state[program_input.name] = self._shard(buffers[slot.key], program_input)
-            elif slot.kind == "constant":
-                state[program_input.name] = self._shard(self.torch_step.constants[slot.key], program_input)
-            else:
-                state[program_input.name] = self._fresh_state(optimizer, params[slot.key], slot, program_input)
-        return state
-
-    def _fresh_state(self, optimizer: Any, param: torch.Tensor, slot, program_input: ProgramInput) -> torch.Tensor:
-        """Optimizer state of a meta parameter: the real existing state's shard, or torch's initial zeros, local."""
-        existing = optimizer.state.get(param, {}) if optimizer is not None else {}
-        tensor = existing.get(slot.state_key)
-        if tensor is None:
-            return torch.zeros(program_input.local_shape, dtype=getattr(torch, program_input.spec.dtype), device=self.device)
-        if tensor.device.type == "meta":
-            raise RuntimeSetupError(
-                f"optimizer state {slot.state_key!r} of parameter {slot.key!r} is on the meta device and has no values; "
-                "build the optimizer before its first step (MetaDist creates fresh state) or load real state"
-            )
-        return self._shard(tensor, program_input)
-
-    def _inputs(self, batch: Any) -> list[torch.Tensor]:
+    def _inputs(self, optimizer: Any, batch: Any) -> list[torch.Tensor]:
         leaves = pytree.tree_flatten(batch)[0]
+        self._check_batch(leaves)
+        hyper = hyperparameter_values(optimizer_spec(optimizer), optimizer) if optimizer is not None else []
         inputs = []
         for program_input in self.program.inputs:
             slot = self._slots[program_input.name]
-            if slot.kind != "batch":
-                inputs.append(self._state[program_input.name])
-                continue
-            leaf = leaves[slot.index] if slot.index < len(leaves) else None
-            if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != program_input.spec.shape:
-                got = "nothing" if leaf is None else f"{type(leaf).__name__} {tuple(getattr(leaf, 'shape', ()))}"
-                raise RunInputError(
-                    f"batch leaf {slot.key!r} was captured as {program_input.spec} and planned so; this batch has {got}. "
-                    "Batch shapes are part of the plan: capture and plan again for new shapes"
-                )
-            piece = shard_full_tensor(leaf, program_input.sharding, self.plan.mesh.shape, self.coords)
-            inputs.append(piece.to(self.device))
+            if slot.kind in _STATE_KINDS:
+                inputs.append(self._binding.read(program_input.name))
+            elif slot.kind == "hyper":
+                inputs.append(hyperparameter_tensor(hyper, slot).to(self.device))
+            elif slot.kind == "constant":
+                inputs.append(self._constants[program_input.name])
+            else:
+                inputs.append(self._batch_piece(leaves, slot, program_input))
         return inputs
+
+    def _check_batch(self, leaves: list) -> None:
+        if self.batch_mode != "global" or self.verify_batch == "never" or (self._batch_checked and self.verify_batch == "first"):
+            return
+        slots = sorted((slot for slot in self._slots.values() if slot.kind == "batch"), key=lambda slot: slot.index)
+        tensors = [leaves[slot.index] for slot in slots if slot.index < len(leaves) and isinstance(leaves[slot.index], torch.Tensor)]
+        if len(tensors) == len(slots):
+            check_same_batch(tensors, [slot.key for slot in slots], self.device)
+        self._batch_checked = True
+
+    def _batch_piece(self, leaves: list, slot, program_input: ProgramInput) -> torch.Tensor:
+        leaf = leaves[slot.index] if slot.index < len(leaves) else None
+        expected = program_input.spec.shape
+        if self.batch_mode == "local":
+            return self._local_batch_piece(leaf, slot, program_input)
+        if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != expected:
+            raise _batch_shape_error(slot, program_input, leaf)
+        return shard_full_tensor(leaf, program_input.sharding, self.plan.mesh.shape, self.coords).to(self.device)
+
+    def _local_batch_piece(self, leaf: Any, slot, program_input: ProgramInput) -> torch.Tensor:
+        """With ``batch='local'``: this rank's slice is its piece when the plan splits dim 0 over every axis in
+        rank order; otherwise the slices are all-gathered into the global leaf, then sharded as planned."""
+        world = self.plan.mesh.size
+        local_shape = (program_input.spec.shape[0] // world,) + tuple(program_input.spec.shape[1:])
+        if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != local_shape:
+            got = "nothing" if leaf is None else f"{type(leaf).__name__} {tuple(getattr(leaf, 'shape', ()))}"
+            raise RunInputError(
+                f"batch leaf {slot.key!r}: with batch='local' each rank passes its slice {local_shape} of the global "
+                f"{program_input.spec.shape}; this rank passed {got}. New shapes compile again through metadist.compile"
+            )
+        if local_batch_is_own_piece(program_input.sharding, program_input.spec.shape, self.plan.mesh.shape):
+            return leaf.to(self.device)
+        whole = gather_batch_dim0(leaf, self.device)
+        return shard_full_tensor(whole, program_input.sharding, self.plan.mesh.shape, self.coords)
 
     def _store(self, outputs: tuple[torch.Tensor, ...]) -> Any:
         user_leaves = []
         for graph_output, program_output, tensor in zip(self.torch_step.graph.outputs, self.program.outputs, outputs):
             if graph_output.replaces is not None:
-                self._state[graph_output.replaces] = tensor
+                self._binding.write(graph_output.replaces, tensor)
             elif graph_output.role is Role.GRAD:
                 self._grads[graph_output.source.removeprefix("grad:")] = tensor
             else:
@@ -191,9 +287,8 @@ class CompiledStep:
         """Full tensors of every parameter, buffer and optimizer state, by graph input name (collective)."""
         self._require_state()
         return {
-            name: self._gather(local, name, self._program_inputs[name].sharding)
-            for name, local in self._state.items()
-            if self._slots[name].kind != "constant"
+            name: self._gather(self._binding.read(name), name, self._program_inputs[name].sharding)
+            for name, slot in self._slots.items() if slot.kind in _STATE_KINDS
         }
 
     def sharded_state_dict(self) -> dict:
@@ -214,11 +309,6 @@ class CompiledStep:
 
         load_checkpoint(self, path)
 
-    def prepare(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
-        """Take the state from the model and optimizer (as the first call does) without running a step."""
-        if self._state is None:
-            self._state = self._load_state(model, optimizer, batch)
-
     def grads(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step by parameter name (captured with ``keep_grads=True``; collective)."""
         result = {}
@@ -228,32 +318,40 @@ class CompiledStep:
                 result[name] = self._gather(self._grads[name], graph_output.name, program_output.sharding)
         return result
 
-    def write_back(self, model: torch.nn.Module, optimizer: Any) -> None:
-        """Copy the full state into the model and the optimizer (collective: every rank must call it)."""
-        if has_meta_tensors(model):
-            raise RunInputError(
-                "the model lives on the meta device, so its full state cannot be written back into it; read the full "
-                "tensors with state_dict(), or save the shards with a distributed checkpoint"
-            )
-        full = self.state_dict()
-        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        with torch.no_grad():
-            for name, tensor in full.items():
-                slot = self._slots[name]
-                if slot.kind == "param":
-                    params[slot.key].copy_(tensor)
-                elif slot.kind == "buffer":
-                    buffers[slot.key].copy_(tensor)
-                elif slot.kind == "state":
-                    optimizer.state[params[slot.key]][slot.state_key] = tensor.to(params[slot.key].device)
-
     def comm_records(self) -> Mapping:
         """Collectives executed so far: (phase, kind, axis) -> CommRecord."""
         return dict(self.comm.records)
 
+    @property
+    def binding(self) -> StateBinding:
+        self._require_state()
+        return self._binding
+
     def _require_state(self) -> None:
-        if self._state is None:
+        if self._binding is None:
             raise RunInputError("the compiled step holds no state yet: call it once with (model, optimizer, batch)")
+
+
+def local_batch_is_own_piece(sharding: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether a rank's dim-0 slice in rank order is exactly its piece under ``sharding``.
+
+    True when dim 0 is split over every mesh axis, in axis order, evenly: the piece
+    index is then the row-major mesh coordinate, which is the rank.
+    """
+    size = 1
+    for placement, axis_size in zip(sharding, mesh_shape):
+        if not (isinstance(placement, Shard) and placement.dim == 0) and axis_size > 1:
+            return False
+        size *= axis_size
+    return bool(shape) and shape[0] % size == 0
+
+
+def _batch_shape_error(slot, program_input: ProgramInput, leaf: Any) -> RunInputError:
+    got = "nothing" if leaf is None else f"{type(leaf).__name__} {tuple(getattr(leaf, 'shape', ()))}"
+    return RunInputError(
+        f"batch leaf {slot.key!r} was captured as {program_input.spec} and planned so; this batch has {got}. "
+        "Batch shapes are part of the plan: metadist.compile compiles again for new shapes; a plan file is for one shape"
+    )
 
 
 def _device_of(device_mesh: DeviceMesh) -> torch.device:

@@ -114,6 +114,8 @@ def run_worker(config: WorkerConfig) -> int:
     workload = _load_workload(config)
     optimizer = workload.optimizer(workload.model.parameters())
     train_step = workload.train_step()
+    start = _one_start(workload, optimizer, device_mesh)
+    reporter.note(start.describe())
     plan_source = read_plan_source(config.plan)
     torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
     compare_grads = config.check
@@ -148,6 +150,29 @@ def run_worker(config: WorkerConfig) -> int:
         reporter.check(report)
         report.raise_if_failed()
     return 0
+
+
+def _one_start(workload, optimizer, device_mesh):
+    """Every rank takes rank 0's model, optimizer state and batch (each rank ran the model file itself).
+
+    The model and optimizer as ``metadist.compile`` does (the compiled step then finds nothing left to send);
+    the batch because a workload's batch is the global batch by contract.
+    """
+    import torch.distributed as dist
+    import torch.utils._pytree as pytree
+
+    from .start_state import broadcast_start_state, check_same_structure
+    from .step import _device_of
+
+    check_same_structure(workload.model, optimizer)
+    report = broadcast_start_state(workload.model, optimizer, _device_of(device_mesh))
+    device = _device_of(device_mesh)
+    for leaf in pytree.tree_flatten(workload.batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            moved = leaf.to(device).contiguous()
+            dist.broadcast(moved, src=0)
+            leaf.copy_(moved)
+    return report
 
 
 def _load_workload(config: WorkerConfig):

@@ -38,7 +38,10 @@ from torch.nn.utils import stateless
 
 from ...ir import Graph, Role
 from .errors import CaptureError
-from .optim import OptimizerSpec, functional_update, initial_state, optimizer_spec
+from .optim import (
+    HYPERPARAMETER_DTYPE, OptimizerSpec, functional_update, hyperparameter_values, initial_state, optimizer_spec,
+    optimizer_structure,
+)
 from .to_ir import InputSlot, fx_to_ir
 
 __all__ = ["TorchStep", "capture", "capture_step"]
@@ -64,7 +67,8 @@ class TorchStep:
     output_tree: Any
     """pytree spec of the step's return value (its tensor leaves are the LOSS/ACTIVATION outputs)."""
     capture_seconds: float
-    optimizer_hyperparameters: tuple = ()
+    optimizer_structure: tuple = ()
+    """What of the optimizer shaped the graph (see :func:`.optim.optimizer_structure`); its numbers are inputs."""
     contiguous_values: frozenset[str] = frozenset()
     """Values the trace saw as contiguous. Executors make the real tensors contiguous too: fake
     tensors do not always predict a kernel's output strides (``softplus_backward`` of a transposed
@@ -86,6 +90,7 @@ class TorchStep:
         param_of_name = {name: param for name, param in params.items()}
         group_of = _group_of_param(optimizer) if optimizer is not None else {}
         spec = optimizer_spec(optimizer) if optimizer is not None else None
+        hyper = hyperparameter_values(spec, optimizer) if optimizer is not None else []
         fresh_states: dict[str, dict[str, torch.Tensor]] = {}
         tensors: list[torch.Tensor] = []
         for slot in self.slots:
@@ -105,6 +110,8 @@ class TorchStep:
                     tensor = fresh[slot.state_key]
             elif slot.kind == "batch":
                 tensor = batch_leaves[slot.index]
+            elif slot.kind == "hyper":
+                tensor = hyperparameter_tensor(hyper, slot)
             else:
                 tensor = self.constants[slot.key]
             if tensor.device.type == "meta":
@@ -205,6 +212,11 @@ def capture_step(
             add(InputSlot(f"{pname}:{key}", Role.OPTIM_STATE, "state", pname, state_key=key), tensor)
     for index, (path, leaf) in enumerate(zip(batch_paths, batch_leaves)):
         add(InputSlot(f"batch{path}", Role.BATCH, "batch", path, index=index), leaf)
+    for group_index, values in enumerate(hyperparameter_values(spec, optimizer) if optimizer is not None else []):
+        for key, value in values.items():
+            slot = InputSlot(f"hyper:{group_index}.{key}", Role.HYPERPARAMETER, "hyper", f"{group_index}.{key}",
+                             state_key=key, index=group_index)
+            add(slot, torch.tensor(value, dtype=HYPERPARAMETER_DTYPE))
 
     traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads)
     decompositions = {
@@ -230,7 +242,7 @@ def capture_step(
         constants=constants,
         output_tree=traced.output_tree,
         capture_seconds=elapsed,
-        optimizer_hyperparameters=_hyperparameters(optimizer),
+        optimizer_structure=optimizer_structure(optimizer),
         contiguous_values=contiguous_values,
     )
 
@@ -249,10 +261,13 @@ class _Pass1:
     def __call__(self, *tensors: torch.Tensor):
         by_kind: dict[str, dict[str, torch.Tensor]] = {"param": {}, "buffer": {}, "batch": {}}
         states: dict[str, dict[str, torch.Tensor]] = {}
+        hypers: dict[int, dict[str, torch.Tensor]] = {}
         batch_leaves: list[torch.Tensor] = []
         for slot, tensor in zip(self.slots, tensors):
             if slot.kind == "state":
                 states.setdefault(slot.key, {})[slot.state_key] = tensor
+            elif slot.kind == "hyper":
+                hypers.setdefault(slot.index, {})[slot.state_key] = tensor
             elif slot.kind == "batch":
                 batch_leaves.append(tensor)
             else:
@@ -262,7 +277,7 @@ class _Pass1:
         kept_grads: dict[str, torch.Tensor] = {}
         mapping = {**traced_params, **by_kind["buffer"]}
         with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
-            traced_params, states, kept_grads
+            traced_params, states, hypers, kept_grads
         ):
             result = self.train_step(self.model, self.optimizer, batch)
         leaves, self.output_tree = pytree.tree_flatten(result)
@@ -292,7 +307,7 @@ class _Pass1:
         return self.user_roles + [(Role.GRAD, f"grad:{name}") for name in self.grad_names]
 
     @contextlib.contextmanager
-    def _optimizer_hooks(self, traced_params, states, kept_grads):
+    def _optimizer_hooks(self, traced_params, states, hypers, kept_grads):
         optimizer = self.optimizer
         if optimizer is None:
             yield
@@ -307,7 +322,7 @@ class _Pass1:
                     "optimizer. Call loss.backward() in the step and optimizer.step() without a closure"
                 )
             with torch.no_grad():
-                for group in optimizer.param_groups:
+                for group_index, group in enumerate(optimizer.param_groups):
                     for param in group["params"]:
                         pname = name_of[id(param)]
                         traced = traced_params[pname]
@@ -315,7 +330,8 @@ class _Pass1:
                             continue  # torch skips parameters without a gradient
                         kept_grads[pname] = traced.grad.clone()
                         param_state = states.setdefault(pname, {})
-                        new_param, new_state = functional_update(spec, traced, traced.grad, param_state, group)
+                        new_param, new_state = functional_update(spec, traced, traced.grad, param_state,
+                                                                 hypers[group_index], group)
                         traced.copy_(new_param)
                         for key, value in new_state.items():
                             param_state[key].copy_(value)
@@ -398,6 +414,11 @@ def _clean_path(text: str) -> str:
     return text.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
 
 
+def hyperparameter_tensor(values: list[dict[str, float]], slot: InputSlot) -> torch.Tensor:
+    """The live value of a hyperparameter slot (its group's ``values``) as the 0-dim double the graph reads."""
+    return torch.tensor(values[slot.index][slot.state_key], dtype=HYPERPARAMETER_DTYPE)
+
+
 def _group_of_param(optimizer: Any) -> dict[int, dict]:
     return {id(param): group for group in optimizer.param_groups for param in group["params"]}
 
@@ -420,15 +441,6 @@ def _check_optimizer_params(group_of: dict[int, dict], param_names: dict[int, st
             f"the optimizer updates {len(missing)} tensor(s) that are not parameters of the model; "
             "build the optimizer from model.parameters()"
         )
-
-
-def _hyperparameters(optimizer: Any) -> tuple:
-    if optimizer is None:
-        return ()
-    return tuple(
-        tuple(sorted((key, repr(value)) for key, value in group.items() if key != "params"))
-        for group in optimizer.param_groups
-    )
 
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)

@@ -25,12 +25,12 @@ class InputSlot:
     name: str
     role: Role
     kind: str
-    """``param``, ``buffer``, ``state``, ``batch`` or ``constant``."""
+    """``param``, ``buffer``, ``state``, ``batch``, ``hyper`` (a hyperparameter of one param group) or ``constant``."""
     key: str
     """The parameter/buffer name (for a state: its parameter), the batch path, or the constant's name."""
     state_key: str = ""
     index: int = -1
-    """For a batch leaf: its position in the flattened batch."""
+    """For a batch leaf: its position in the flattened batch; for a hyperparameter: its param group."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
