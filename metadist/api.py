@@ -192,7 +192,8 @@ class CompiledTrainStep:
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
                               init_fn=self.options.init_fn, bucket_cap_bytes=bytes_from_mib(self.options.bucket_cap_mb),
                               overlap=self.options.overlap, batch_mode=self.options.batch,
-                              verify_batch=self.options.verify_batch, pinned=_placed_shardings(torch_step, model, device_mesh))
+                              verify_batch=self.options.verify_batch,
+                              pinned=_placed_shardings(torch_step, model, optimizer, device_mesh))
         compiled, _ = compile_captured(torch_step, mesh, device_mesh, options)
         return compiled
 
@@ -254,17 +255,21 @@ def _mesh_of_model(model: Any) -> Any:
     return None
 
 
-def _placed_shardings(torch_step: Any, model: Any, device_mesh: Any) -> dict:
-    """Graph input name -> the sharding the model's state already has on ``device_mesh`` (kept by the new plan)."""
+def _placed_shardings(torch_step: Any, model: Any, optimizer: Any, device_mesh: Any) -> dict:
+    """Graph input name -> the sharding the model's or optimizer's state already has on ``device_mesh``
+    (kept by the new plan)."""
     from .runtime.checkpoint import metadist_sharding
     from .runtime.model_state import holders_of, is_sharded_here
 
     holders = holders_of(model)
     placed = {}
     for slot in torch_step.slots:
-        if slot.kind not in ("param", "buffer"):
+        if slot.kind in ("param", "buffer"):
+            tensor = holders[(slot.kind, slot.key)][0].get()
+        elif slot.kind == "state" and optimizer is not None:
+            tensor = optimizer.state.get(holders[("param", slot.key)][0].get(), {}).get(slot.state_key)
+        else:
             continue
-        tensor = holders[(slot.kind, slot.key)][0].get()
         if is_sharded_here(tensor, device_mesh):
             placed[slot.name] = metadist_sharding(tensor.placements)
     return placed
