@@ -138,11 +138,12 @@ class CompiledTrainStep:
         from .frontends.torch.optim import optimizer_structure
 
         modes = tuple(module.training for module in model.modules())
-        return (id(model), id(optimizer), _batch_signature(batch), modes, optimizer_structure(optimizer))
+        trainable = tuple(param.requires_grad for param in model.parameters())
+        return (id(model), id(optimizer), _batch_signature(batch), (modes, trainable), optimizer_structure(optimizer))
 
     def _why_new(self, key: tuple) -> str:
         last = next(reversed(self._variants))
-        parts = ["model or optimizer object", "batch shapes", "train/eval mode", "optimizer structure"]
+        parts = ["model or optimizer object", "batch shapes", "train/eval mode or trainable parameters", "optimizer structure"]
         changed = [part for part, new, old in zip(parts, (key[:2],) + key[2:], (last[:2],) + last[2:]) if new != old]
         return f"{', '.join(changed) or 'inputs'} changed since the last compiled variant"
 
@@ -183,7 +184,10 @@ class CompiledTrainStep:
         from .frontends.torch import capture_step
         from .runtime.build import StepOptions, bytes_from_mib, compile_captured, read_plan_source
 
+        from .runtime.start_state import check_same_structure
+
         mesh, device_mesh = self._mesh(model)
+        check_same_structure(model, optimizer)  # before planning: rank 0's plan must fit every rank's graph
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
         torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"))

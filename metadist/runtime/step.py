@@ -82,6 +82,8 @@ class CompiledStep:
             raise RunInputError(f"batch={batch_mode!r}: choose one of {BATCH_MODES}")
         if verify_batch not in ("first", "always", "never"):
             raise RunInputError(f"verify_batch={verify_batch!r}: choose first, always or never")
+        if torch_step.left_grads:
+            raise RunInputError(_left_grads_message(torch_step.left_grads))
         plan.check_for(torch_step.graph, metadist_version)
         if tuple(device_mesh.shape) != plan.mesh.shape:
             raise RuntimeSetupError(
@@ -344,6 +346,17 @@ def local_batch_is_own_piece(sharding: tuple, shape: tuple[int, ...], mesh_shape
             return False
         size *= axis_size
     return bool(shape) and shape[0] % size == 0
+
+
+def _left_grads_message(names: tuple[str, ...]) -> str:
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"the training step leaves gradients behind on {listed}: they are not in the optimizer, or zero_grad() is not "
+        "called after optimizer.step(). Run eagerly, the next step would add its gradients to them; a compiled step "
+        "starts every step from no gradients, so it refuses rather than differ. Exclude such parameters from autograd "
+        "(param.requires_grad_(False)), give them to the optimizer, or end the step with optimizer.zero_grad() and "
+        "model.zero_grad()"
+    )
 
 
 def _batch_shape_error(slot, program_input: ProgramInput, leaf: Any) -> RunInputError:

@@ -69,6 +69,9 @@ class TorchStep:
     capture_seconds: float
     optimizer_structure: tuple = ()
     """What of the optimizer shaped the graph (see :func:`.optim.optimizer_structure`); its numbers are inputs."""
+    left_grads: tuple[str, ...] = ()
+    """Parameters whose gradient the step leaves behind (not zeroed, or not in the optimizer): eagerly, the next
+    step would accumulate into it."""
     contiguous_values: frozenset[str] = frozenset()
     """Values the trace saw as contiguous. Executors make the real tensors contiguous too: fake
     tensors do not always predict a kernel's output strides (``softplus_backward`` of a transposed
@@ -243,6 +246,7 @@ def capture_step(
         output_tree=traced.output_tree,
         capture_seconds=elapsed,
         optimizer_structure=optimizer_structure(optimizer),
+        left_grads=tuple(traced.left_grads),
         contiguous_values=contiguous_values,
     )
 
@@ -256,6 +260,8 @@ class _Pass1:
         self.output_tree = None
         self.user_roles: list[tuple[Role, str]] = []
         self.grad_names: list[str] = []
+        self.left_grads: list[str] = []
+        """Parameters still holding a gradient when the step returns (the next step would accumulate into it)."""
         self.name_of = {id(param): name for name, param in model.named_parameters()}
 
     def __call__(self, *tensors: torch.Tensor):
@@ -294,6 +300,7 @@ class _Pass1:
             self.user_roles.append((Role.LOSS if is_loss else Role.ACTIVATION, f"result{position}"))
             outputs.append(leaf.detach())
         self.grad_names = []
+        self.left_grads = [pname for pname, tensor in traced_params.items() if tensor.grad is not None]
         for pname, tensor in traced_params.items():
             grad = kept_grads.get(pname) if self.keep_grads else None
             if grad is None and tensor.grad is not None:
@@ -336,8 +343,10 @@ class _Pass1:
                         for key, value in new_state.items():
                             param_state[key].copy_(value)
 
+        in_groups = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+
         def zero_grad(set_to_none: bool = True):
-            for traced in traced_params.values():
+            for traced in (traced_params[name] for name in in_groups):  # as torch: the optimizer's parameters only
                 if traced.grad is None:
                     continue
                 if set_to_none:
