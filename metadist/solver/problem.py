@@ -375,6 +375,16 @@ def _memory(graph, units, member_unit, unit_class, lives: Liveness, mesh, peaks)
     return tuple(per_peak), tuple(constants)
 
 
+def _uneven_stats(sets) -> dict[str, int]:
+    """Strategies with uneven splits: kept, and excluded by reason (``excluded_uneven_<reason>``)."""
+    stats = {"uneven_strategies": 0}
+    for found in sets:
+        stats["uneven_strategies"] += found.uneven
+        for reason, count in found.excluded_uneven:
+            stats[f"excluded_uneven_{reason}"] = stats.get(f"excluded_uneven_{reason}", 0) + count
+    return stats
+
+
 def build_problem(
     graph: Graph,
     rules: Mapping[str, Rule],
@@ -427,6 +437,7 @@ def build_problem(
         linear_comm_s={c: tuple(v) for c, v in linear.items()}, edges=edges, peaks=lives.peaks,
         memory_bytes=memory, memory_constant_bytes=constants, liveness=lives,
         excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
-        stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values())},
+        stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values()),
+               **_uneven_stats(sets.values())},
         bucketing=bucketing,
     )
