@@ -17,8 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .main import UsageError
+
+if TYPE_CHECKING:
+    from ..runtime.launch import LaunchOutcome, LocalLaunch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -181,8 +185,11 @@ def run(args: argparse.Namespace) -> int:
             f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "
             f"pass --nproc {mesh.size} or a mesh of {args.nproc} devices"
         )
-    return launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)), nproc=args.nproc,
-                                         log_dir=log_dir(args), name=args.model), "metadist run")
+    outcome = launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)),
+                                            nproc=args.nproc, log_dir=log_dir(args), name=args.model), "metadist run")
+    if outcome.ok:
+        print(f"logs of every rank: {outcome.run_folder}")
+    return outcome.exit_status()
 
 
 def log_dir(args: argparse.Namespace) -> Path:
@@ -198,11 +205,11 @@ def log_dir(args: argparse.Namespace) -> Path:
     return folder
 
 
-def launch_and_report(launch, command: str) -> int:
-    """Run ``launch``; on failure print its one block to stderr. Returns the exit status."""
+def launch_and_report(launch: LocalLaunch, command: str) -> LaunchOutcome:
+    """Run ``launch``; if it fails, print its one block to stderr."""
     from ..runtime.launch import failure_block, launch_local
 
     outcome = launch_local(launch)
     if not outcome.ok:
         print(failure_block(outcome, command), file=sys.stderr)
-    return outcome.exit_status()
+    return outcome

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import sysconfig
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 __all__ = ["ExceptionReport", "RankErrorHandler", "UserFrame", "describe_exception", "is_library_file", "is_user_file",
-           "phase_file_path", "user_frame"]
+           "phase_file_path", "run_rank", "user_frame"]
 
 #: Kinds of failure, from which the launcher chooses what to tell the user.
 KINDS = ("user-code", "bad-input", "check", "peer", "internal")
@@ -105,6 +107,42 @@ class RankErrorHandler(ErrorHandler):
         temporary = Path(f"{error_file}.{os.getpid()}.tmp")
         temporary.write_text(json.dumps(data))
         os.replace(temporary, error_file)
+
+
+def run_rank(body: Callable[[], int], *, show_phases: bool) -> int:
+    """Run one rank's ``body`` under torchelastic's ``record``; returns its exit status.
+
+    Its phases go to its phase file and, with ``show_phases``, rank 0's to its stdout.
+    A failure is recorded in the error file (:class:`RankErrorHandler`) and its traceback
+    printed to stderr (the rank's log under a launcher); the status is then 2 for bad input
+    (the user's to fix, e.g. a mesh that does not fit) and 1 otherwise, so that the
+    launcher stops the other ranks.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ..cli.main import user_error_types
+    from .errors import USER_ERRORS
+
+    handler = RankErrorHandler()
+    try:
+        return record(_with_listeners, error_handler=handler)(body, handler, show_phases)
+    except Exception as err:  # recorded by the handler; the traceback goes to this rank's log
+        print(f"rank {os.environ.get('RANK', '?')} failed:", file=sys.stderr)
+        traceback.print_exc()
+        return 2 if isinstance(err, user_error_types() + USER_ERRORS) else 1
+
+
+def _with_listeners(body: Callable[[], int], handler: RankErrorHandler, show_phases: bool) -> int:
+    from rich.console import Console
+
+    from ..progress import ConsoleListener, PhaseFile, listening
+    from .env import read_torchrun_env
+
+    listeners: list = [PhaseFile(path) for path in [handler.phase_file()] if path is not None]
+    if show_phases and read_torchrun_env().rank == 0:
+        listeners.append(ConsoleListener(Console()))
+    with listening(*listeners):
+        return body()
 
 
 def describe_exception(err: BaseException) -> ExceptionReport:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -21,7 +19,6 @@ import torch
 from ..ir import Mesh
 from .build import bytes_from_mib
 from .env import read_torchrun_env
-from .errors import USER_ERRORS
 from .setup import setup_device_mesh, teardown
 
 __all__ = ["WorkerConfig", "main", "parse_args"]
@@ -181,39 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run one rank; a failure exits 2 (bad input) or 1, so that torchrun stops the other ranks.
 
     The failure is recorded in torchelastic's error file with MetaDist's reading of it
-    (:class:`RankErrorHandler`, which ``metadist run`` turns into one block) and its
-    traceback goes to stderr, this rank's log under ``metadist run``. Each phase the rank
-    enters is kept in its phase file; rank 0 shows the compile phases on its stdout.
+    (:func:`metadist.runtime.failure.run_rank`, which ``metadist run`` turns into one block)
+    and its traceback goes to stderr, this rank's log under ``metadist run``. Each phase the
+    rank enters is kept in its phase file; rank 0 shows the compile phases on its stdout.
     """
-    import traceback
+    from .failure import run_rank
 
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from ..cli.main import user_error_types
-    from .failure import RankErrorHandler
-
-    handler = RankErrorHandler()
     try:
-        return record(_run_with_phases, error_handler=handler)(argv, handler)
-    except Exception as err:  # recorded by the handler; the traceback goes to this rank's log
-        print(f"metadist worker (rank {os.environ.get('RANK', '?')}) failed:", file=sys.stderr)
-        traceback.print_exc()
-        return 2 if isinstance(err, user_error_types() + USER_ERRORS) else 1
+        return run_rank(lambda: run_worker(parse_args(argv)), show_phases=True)
     finally:
         teardown()
-
-
-def _run_with_phases(argv: list[str] | None, handler) -> int:
-    from rich.console import Console
-
-    from ..progress import ConsoleListener, PhaseFile, listening
-
-    config = parse_args(argv)
-    listeners = [PhaseFile(path) for path in [handler.phase_file()] if path is not None]
-    if read_torchrun_env().rank == 0:
-        listeners.append(ConsoleListener(Console()))
-    with listening(*listeners):
-        return run_worker(config)
 
 
 if __name__ == "__main__":
