@@ -1,4 +1,4 @@
-"""SPMD rules in factor notation (see DESIGN.md, "Rules: factor notation").
+"""SPMD rules in factor notation (see docs/design.md, "Rules: factor notation").
 
 A :class:`Rule` is the set of ways an op's iteration space can be split. Each
 :class:`Factor` names, for every tensor input (in the node's flattened input
