@@ -285,11 +285,17 @@ def _short(failure: RankFailure, cause: RankFailure) -> str:
     if failure.same_as(cause):
         what = "the same error"
     elif failure.exception is not None:
-        what = f"{failure.exception.type}: {failure.exception.message.splitlines()[0][:80] if failure.exception.message else ''}"
+        what = f"{failure.exception.type}: {_first_line(failure.exception.message)}"
     else:
         what = _death(failure).replace("was killed by", "killed by")
     during = f" during {failure.phase}" if failure.phase else ""
     return f"rank {failure.rank} ({what}{during})"
+
+
+def _first_line(message: str, limit: int = 100) -> str:
+    """A message's first line, without a C++ source location in brackets (gloo's), cut to ``limit``."""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", message.splitlines()[0] if message else "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _exception_hint(exception: ExceptionReport, phase: str | None) -> str:
