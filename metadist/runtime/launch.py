@@ -134,7 +134,7 @@ def default_log_dir(cache_dir: Path) -> Path:
 
 def launch_local(launch: LocalLaunch) -> LaunchOutcome:
     """Start the ranks, wait for them, and collect their failures."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -147,7 +147,8 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
     )
-    threads = "1" if launch.nproc > 1 else os.environ.get("OMP_NUM_THREADS", "")
+    # as torchrun does: one OpenMP thread per rank unless the user chose otherwise
+    threads = "1" if launch.nproc > 1 and "OMP_NUM_THREADS" not in os.environ else ""
     with _launcher_log(run_folder / "launcher.log"), _environment(OMP_NUM_THREADS=threads):
         try:
             elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
@@ -155,6 +156,8 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
             failures = tuple(_rank_failure(run_folder, rank, failure.exitcode)
                              for rank, failure in sorted(err.failures.items()))
             return LaunchOutcome(run_folder, failures)
+        except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
+            raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
     return LaunchOutcome(run_folder, ())
 
 
