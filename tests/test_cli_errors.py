@@ -224,3 +224,21 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal_and_its_phase(tmp_pa
     assert _log_path(result.stderr).exists()
     assert "Traceback" not in terminal and not any(banner in terminal for banner in TORCHRUN_BANNERS), terminal
     assert "discovery: " in result.stdout and "lowering: " in result.stdout
+
+
+def test_old_run_folders_are_pruned_and_nothing_else_is_touched(tmp_path):
+    import time as clock
+
+    from metadist.runtime.launch import prune_runs
+
+    runs = []
+    for index in range(4):
+        folder = tmp_path / f"20260101-00000{index}-mlp-{100 + index}"
+        folder.mkdir()
+        (folder / "launcher.log").write_text("")
+        os.utime(folder, (clock.time() - 100 + index, clock.time() - 100 + index))
+        runs.append(folder)
+    other = tmp_path / "my-own-notes-folder"
+    other.mkdir()
+    prune_runs(tmp_path, keep=2)
+    assert [folder.exists() for folder in runs] == [False, False, True, True] and other.exists()
