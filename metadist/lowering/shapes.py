@@ -9,7 +9,7 @@ same shape; otherwise local shapes depend on the rank's coordinates.
 
 Several axes may shard the same dim; they nest in axis order (the DTensor
 convention): axis 0 cuts the dim first, axis 1 cuts axis 0's piece (so ``n = 9``
-over axes of 2 and 4 gives pieces 2, 1, 1, 1 | 1, 1, 1, 1). This is what DTensor's
+over axes of 2 and 4 gives pieces 2, 2, 1, 0 | 1, 1, 1, 1). This is what DTensor's
 ``compute_local_shape_and_global_offset`` computes, so shards convert to DTensors
 and DCP reshards them by their global offsets.
 

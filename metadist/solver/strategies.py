@@ -52,6 +52,7 @@ UNEVEN_REASONS = {
                     "torch.chunk pieces of one are not pieces of the other",
     "halo": "a halo factor needs equal pieces, each at least as wide as the halo, with whole output trims",
     "empty_max_min": "a max/min reduction would run on an empty piece",
+    "runtime_even_only": "the plan is for a runtime that takes even shards only (JAX's in and out shardings)",
 }
 
 
@@ -151,8 +152,12 @@ def node_strategies(
     input_shapes: tuple[tuple[int, ...], ...],
     output_shapes: tuple[tuple[int, ...] | None, ...],
     mesh: Mesh,
+    uneven_shards: bool = True,
 ) -> StrategySet:
-    """All valid joint strategies of a node with ``rule`` on ``mesh`` (replicate-all first)."""
+    """All valid joint strategies of a node with ``rule`` on ``mesh`` (replicate-all first).
+
+    ``uneven_shards``: False excludes every uneven split (reason ``runtime_even_only``).
+    """
     if rule is None:
         return StrategySet((replicated_strategy(len(input_shapes), [s is not None for s in output_shapes], mesh),))
     if len(rule.input_ranks) != len(input_shapes) or len(rule.output_ranks) != len(output_shapes):
@@ -164,6 +169,8 @@ def node_strategies(
     strategies, excluded, inexpressible, uneven = [], {}, 0, 0
     for choices in itertools.product(_axis_options(rule), repeat=mesh.ndim):
         verdict = _split_check(rule, choices, mesh, input_shapes, output_shapes)
+        if verdict == "uneven" and not uneven_shards:
+            verdict = "runtime_even_only"
         if verdict not in ("even", "uneven"):
             excluded[verdict] = excluded.get(verdict, 0) + 1
             continue
@@ -178,16 +185,21 @@ def node_strategies(
     return StrategySet(tuple(strategies), tuple(sorted(excluded.items())), inexpressible, uneven)
 
 
-def input_strategies(spec: TensorSpec, mesh: Mesh, allowed: frozenset | None = None) -> StrategySet:
-    """Shardings a graph input may start the step in: each axis replicates or shards one dim (evenly or not)."""
+def input_strategies(spec: TensorSpec, mesh: Mesh, allowed: frozenset | None = None, uneven_shards: bool = True) -> StrategySet:
+    """Shardings a graph input may start the step in: each axis replicates or shards one dim (evenly, or not
+    unless ``uneven_shards`` is False)."""
     options = [Replicate()] + [Shard(dim) for dim in range(spec.rank)]
-    strategies, uneven = [], 0
+    strategies, uneven, refused = [], 0, 0
     for sharding in itertools.product(options, repeat=mesh.ndim):
         if allowed is not None and sharding not in allowed:
             continue
+        even = is_even(spec.shape, sharding, mesh)
+        if not even and not uneven_shards:
+            refused += 1
+            continue
         strategies.append(NodeStrategy(choices=(), inputs=(), outputs=(tuple(sharding),)))
-        uneven += not is_even(spec.shape, sharding, mesh)
+        uneven += not even
     if not strategies:
         replicated = tuple(Replicate() for _ in range(mesh.ndim))
         strategies.append(NodeStrategy(choices=(), inputs=(), outputs=(replicated,)))
-    return StrategySet(tuple(strategies), uneven=uneven)
+    return StrategySet(tuple(strategies), (("runtime_even_only", refused),) if refused else (), uneven=uneven)
