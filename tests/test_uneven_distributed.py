@@ -193,46 +193,69 @@ def test_the_solver_plans_the_uneven_batch_and_state(tmp_path):
     assert "batch.x" in uneven and plan.solver["uneven_strategies"] > 0, uneven
 
 
-def _vocab_split_plan(path: str, out: str) -> list[str]:
-    """The solver's plan with the (tied) embedding rows split over 2 ranks, and every matmul on the vocabulary split along it."""
+GPT2_HEADS_6 = GPT2_VOCAB_1001.replace("n_embd=64, n_head=4", "n_embd=48, n_head=6").replace(
+    "use_cache=False)", "use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)")
+
+
+def _forced_plan(path: str, out: str, size: int, nproc: int, rows_of: str | None = None) -> list[str]:
+    """The solver's plan on ``nproc`` ranks, with every (non-random) node that has a factor of ``size`` split along it.
+
+    ``rows_of``: graph inputs named so (and their optimizer states) start with dim 0 split.
+    """
     from dataclasses import replace
 
     from metadist.api import capture_and_discover
     from metadist.cost.cluster import resolve_cluster
-    from metadist.ir import Mesh, Shard
+    from metadist.ir import Concat, Mesh, Shard
     from metadist.ir.plan import AxisChoice, strategy_from_choices
     from metadist.solver import plan_graph
     from metadist.solver.problem import Restrictions
     from metadist.workloads.loader import load_workload
 
     graph, rules = capture_and_discover(load_workload(path))
-    mesh = Mesh((2,))
+    mesh = Mesh((nproc,))
     rows = {gi.value.name: frozenset({(Shard(0),)}) for gi in graph.inputs
-            if gi.value.name.startswith("transformer.wte.weight") and gi.value.spec.rank == 2}
+            if rows_of and gi.value.name.startswith(rows_of) and gi.value.spec.rank == 2}
     plan = plan_graph(graph, rules, resolve_cluster("cpu-gloo", mesh), restrictions=Restrictions(rows))
     strategies, forced = dict(plan.node_strategies), []
     for node in graph.nodes:
         rule = rules.rules.get(node.name)
-        if node.op.target != "aten.mm.default" or rule is None:
+        if rule is None or node.op.is_random:
             continue
         shapes = [graph.value(name).spec.shape for name in node.input_names]
+        outs = [None if value is None else value.spec.shape for value in node.outputs]
         for index, factor in enumerate(rule.factors):
-            if {shapes[i][d] for i, d in enumerate(factor.inputs) if d is not None} == {1001}:
+            sizes = {shapes[i][d] for i, d in enumerate(factor.inputs) if d is not None}
+            sizes |= {outs[i][c.dim] for i, c in enumerate(factor.outputs) if isinstance(c, Concat) and outs[i] is not None}
+            if sizes == {size} and not factor.halo:
                 strategies[node.name] = strategy_from_choices(rule, (AxisChoice("factor", index),))
-                forced.append(node.name)
+                forced.append(node.op.target)
+                break
     with open(out, "w") as handle:
         handle.write(replace(plan, node_strategies=strategies).to_json())
     return forced
 
 
 @pytest.mark.slow
-def test_gpt2_with_a_vocabulary_of_1001_split_over_2_ranks_passes_check(tmp_path):
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_gpt2_with_a_vocabulary_of_1001_split_over_the_ranks_passes_check(tmp_path, nproc):
     model, plan_file = tmp_path / "gpt2_vocab_1001.py", tmp_path / "plan.json"
     model.write_text(GPT2_VOCAB_1001)
-    forced = _vocab_split_plan(str(model), str(plan_file))
-    assert len(forced) == 3  # the logits matmul and its two backward matmuls split the 1001 rows: 501 and 500
+    forced = _forced_plan(str(model), str(plan_file), 1001, nproc, rows_of="transformer.wte.weight")
+    # the logits matmul and its two backward matmuls split the 1001 rows (501, 500 on 2 ranks; 251, 251, 251, 248 on 4)
+    assert forced.count("aten.mm.default") == 3, forced
     assert json.loads(plan_file.read_text())["input_shardings"]["transformer.wte.weight"] == "(S(0))"
-    result = run_metadist(str(model), "--nproc", "2", "--plan", str(plan_file), "--check", "--timeout-s", "120")
+    result = run_metadist(str(model), "--nproc", str(nproc), "--plan", str(plan_file), "--check", "--timeout-s", "120")
+    assert_check_passed(result)
+
+
+@pytest.mark.slow
+def test_six_heads_over_four_ranks_with_an_empty_rank_pass_check(tmp_path):
+    model, plan_file = tmp_path / "gpt2_heads_6.py", tmp_path / "plan.json"
+    model.write_text(GPT2_HEADS_6)
+    forced = _forced_plan(str(model), str(plan_file), 6, 4)  # heads 2, 2, 2, 0: rank 3 runs attention on no heads
+    assert {"aten._softmax.default", "aten._softmax_backward_data.default"} <= set(forced), forced
+    result = run_metadist(str(model), "--nproc", "4", "--plan", str(plan_file), "--check", "--timeout-s", "120")
     assert_check_passed(result)
 
 
