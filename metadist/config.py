@@ -1,4 +1,4 @@
-"""Settings read from the environment, in one place (DESIGN.md, "Layering").
+"""Settings read from the environment, in one place (docs/design.md, "Layering").
 
 Code deep inside MetaDist never reads ``os.environ``: the entry points call
 :func:`settings_from_env` once and pass the frozen :class:`Settings` down.

@@ -1,4 +1,4 @@
-"""The user's workload contract (DESIGN.md, "The user's contracts").
+"""The user's workload contract (docs/design.md, "The user's contracts").
 
 A model file for the CLI defines a function (default name ``workload``) that
 returns a :class:`Workload`. This module imports no framework.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -36,7 +37,11 @@ def test_a_plan_for_another_graph_is_refused_on_every_rank(tmp_path):
     }
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
-    result = subprocess.run(_command("mlp", "--nproc", "2", "--plan", str(path), "--timeout-s", "30"),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert result.stderr.count("this plan was made for another graph") == 2
+    logs = tmp_path / "logs"
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", "mlp", "--nproc", "2", "--plan", str(path),
+                             "--timeout-s", "30", "--log-dir", str(logs)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2  # bad input
+    assert result.stderr.count("this plan was made for another graph") == 1  # one block on the terminal
+    assert "also failed: rank 1 (the same error" in result.stderr
+    rank_logs = sorted(logs.glob("*/ranks_*/attempt_0/*/stderr.log"))
+    assert len(rank_logs) == 2 and all("this plan was made for another graph" in log.read_text() for log in rank_logs)

@@ -135,11 +135,12 @@ def test_repeated_layers_are_tied_and_solved_once():
     assert plan.input_shardings["layers.1.w1"] == plan.input_shardings["layers.2.w1"]
 
 
-def test_indivisible_strategies_are_excluded_and_counted():
+def test_a_batch_the_mesh_does_not_divide_is_split_unevenly():
+    # 6 rows over 4 devices: torch.chunk pieces of 2, 2, 2, 0 (excluded before uneven shards were planned)
     graph, rules = mlp_step(6, 64, 256, layers=1)
     plan = plan_graph(graph, rules, cluster_for("h100x8", Mesh((4,))))
-    assert plan.solver["excluded_indivisible_strategies"] > 0
-    assert all(S0 not in strategy.inputs[0] for name, strategy in plan.node_strategies.items() if name == "mm_0")
+    assert plan.solver["excluded_indivisible_strategies"] == 0 and plan.solver["uneven_strategies"] > 0
+    assert plan.node_strategies["mm_0"].inputs[0] == (S0,)
 
 
 def test_a_node_without_a_rule_is_replicated_and_listed_with_its_cost():
@@ -184,7 +185,8 @@ def test_strategies_are_enumerated_jointly_over_axes_and_exclusions_counted():
     choices = {tuple(str(c) for c in st.choices) for st in found.strategies}
     assert ("f0", "f0") in choices  # both axes split the same dim (8 = 2 x 4)
     assert ("f1", "f2") in choices and ("R", "f2") in choices
-    assert ("f1", "f1") not in choices and found.excluded_indivisible > 0  # 6 is not divisible by 8 (or 4)
+    assert ("f1", "f1") in choices and found.uneven > 0  # 6 over 8: torch.chunk pieces, priced with their padding
+    assert found.excluded_indivisible == 0
     blocked = node_strategies(parse_rule("ab->ab | a:chunk=2"), ((8, 8),), ((8, 8),), mesh)
     assert blocked.excluded_inexpressible > 0
     assert all(choice.index != 0 for st in blocked.strategies for choice in st.choices if choice.kind == "factor")

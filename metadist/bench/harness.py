@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ..progress import enter, phase
 from ..workload import Workload
 from .baselines import BASELINE_METHODS, MethodUnavailable, Prepared, RankContext, build_baseline, disable_dropout
 from .comm_count import count_collectives, events_from_profile, window
@@ -285,9 +286,14 @@ def versions() -> dict[str, str]:
 
 
 def run(config: HarnessConfig, argv: list[str]) -> int:
+    enter("setup")
     ctx = setup(config)
+    enter("load")
     workload = load_bench_workload(config)
-    results = [measure_method(method, workload, ctx, config) for method in config.methods]
+    results = []
+    for method in config.methods:
+        with phase(method):  # the phase file names the method a rank was measuring if a signal kills it
+            results.append(measure_method(method, workload, ctx, config))
     predictions = _predictions(workload, ctx, config)
     results = [_with_prediction(result, predictions) for result in results]
     if ctx.rank == 0:
@@ -333,8 +339,11 @@ def _write(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One rank; a failure is recorded for ``metadist bench``'s one block (see :func:`metadist.runtime.failure.run_rank`)."""
+    from ..runtime.failure import run_rank
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run(parse_args(argv), argv)
+    return run_rank(lambda: run(parse_args(argv), argv), show_phases=False)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
-"""``metadist bench MODEL --nproc N``: every method side by side on the same model, batch and processes."""
+"""``metadist bench MODEL --nproc N``: every method side by side on the same model, batch and processes.
+
+The ranks run :mod:`metadist.bench.harness`, launched like ``metadist run``'s
+(:mod:`metadist.runtime.launch`): everything they write (the profiler's lines included)
+goes to the run's log folder, the terminal shows the table, and a failure is one block.
+"""
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from .run import add_log_dir_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,14 +37,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cluster", default=None, help="cost model cluster for MetaDist's plans: a preset or a JSON "
                                                         "file from 'metadist calibrate' (default: cpu-gloo on CPU)")
     parser.add_argument("--out", metavar="FILE", help="also keep the result JSON in FILE")
+    add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
 
 
 def harness_command(args: argparse.Namespace, out: str) -> list[str]:
-    """The torchrun command line that runs the harness."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               "-m", "metadist.bench.harness", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--out", out]
+    """The torchrun command line equivalent to the launch (to run the harness by hand)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+            "-m", "metadist.bench.harness", *harness_args(args, out)]
+
+
+def harness_args(args: argparse.Namespace, out: str) -> list[str]:
+    """The arguments of every rank's ``python -m metadist.bench.harness``."""
+    command = [args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out]
     for flag, value in (("--mesh", args.mesh), ("--methods", args.methods), ("--batch-size", args.batch_size),
                         ("--seq-len", args.seq_len), ("--cluster", args.cluster)):
         if value:
@@ -48,18 +59,24 @@ def harness_command(args: argparse.Namespace, out: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from ..bench.results import BenchRun
+    from ..runtime.launch import LocalLaunch
     from .main import UsageError
+    from .run import launch_and_report, log_dir
 
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    console = Console(width=200)
     with tempfile.TemporaryDirectory() as folder:
         out = args.out or str(Path(folder) / "bench.json")
-        completed = subprocess.run(harness_command(args, out), check=False)
-        if completed.returncode != 0:
-            raise UsageError(f"the benchmark processes failed (exit status {completed.returncode}); "
-                             "their output above says why")
+        launch = LocalLaunch(module="metadist.bench.harness", args=tuple(harness_args(args, out)), nproc=args.nproc,
+                             log_dir=log_dir(args), name=args.model, show_rank0_stdout=False)
+        console.print(f"measuring {args.model} on {args.nproc} processes ...", markup=False, highlight=False)
+        outcome = launch_and_report(launch, "metadist bench")
+        if not outcome.ok:
+            return outcome.exit_status()
         bench = BenchRun.from_json(Path(out).read_text())
-    print_bench(Console(width=200), bench)
+    print_bench(console, bench)
+    console.print(f"logs of every rank: {outcome.run_folder}", markup=False, highlight=False)
     return 0
 
 

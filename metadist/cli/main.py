@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(f"interrupted ({err})" if str(err) else "interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # only the user's errors are caught here; anything else propagates
         if isinstance(err, user_error_types()):

@@ -1,7 +1,8 @@
 """``metadist plan MODEL --mesh 2x4``: capture, discover rules, solve, print the plan.
 
 Planning needs no GPU and no process group: the cluster is a description (a preset or a
-JSON file from ``metadist calibrate``).
+JSON file from ``metadist calibrate``). The phases and their seconds go to stderr (a live
+table on a terminal, plain lines otherwise); the plan goes to stdout.
 """
 
 from __future__ import annotations
@@ -41,18 +42,25 @@ def run(args: argparse.Namespace) -> int:
     from ..ir import Mesh
     from ..solver import baseline_plan, explain, plan_graph
 
+    from ..api import capture_and_discover
+    from ..progress import ConsoleListener, enter, listening
+
     mesh = Mesh.parse(args.mesh)
     cluster = resolve_cluster(args.cluster, mesh)
-    from ..api import capture_and_discover
-
-    graph, rules = capture_and_discover(args.model, args.rules_db)
     budget = None if args.memory_gb is None else args.memory_gb * 1e9
-    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
+    with listening(ConsoleListener(Console(stderr=True))):  # the phases on stderr: stdout keeps the plan
+        enter("capture")
+        graph, rules = capture_and_discover(args.model, args.rules_db)  # marks "discovery"
+        enter("solve")
+        plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
+        plans = {"metadist": plan}
+        if args.baselines:
+            enter("baselines")
+            plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit)
+                          for kind in ("dp", "zero2", "zero3", "megatron")})
     console = Console()
     print_plan(console, graph, plan)
     if args.baselines:
-        plans = {"metadist": plan}
-        plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit) for kind in ("dp", "zero2", "zero3", "megatron")})
         print_comparison(console, plans)
     for name in args.explain:
         console.print(explain(plan, name), markup=False)

@@ -112,12 +112,14 @@ def capture_model(spec: str, optimizer: str | None = None):
     return capture_step(workload.train_step(), workload.model, torch_optimizer, workload.batch, name=workload.name or spec)
 
 
-def discover_rules(graph, db, progress: bool):
-    """``graph_rules`` with the PyTorch executor."""
+def discover_rules(graph, db, console: Console):
+    """``graph_rules`` with the PyTorch executor, its progress over op signatures shown on ``console``."""
     from ..frontends.torch.discovery import TorchExecutor
+    from ..progress import ConsoleListener, listening
     from ..shardcombine.api import graph_rules
 
-    return graph_rules(graph, TorchExecutor(), db=db, progress=progress)
+    with listening(ConsoleListener(console)):
+        return graph_rules(graph, TorchExecutor(), db=db)
 
 
 def matching_ops(db, name: str) -> tuple[str, ...]:
@@ -139,7 +141,7 @@ def run_discover(args: argparse.Namespace) -> int:
     console = make_console()
     with open_database(args.db) as db:
         step = capture_model(args.model, args.optimizer)
-        result = discover_rules(step.graph, db, progress=console.is_terminal)
+        result = discover_rules(step.graph, db, console)
         print_coverage(console, step.graph, result, db.path)
     return 0
 
@@ -239,7 +241,7 @@ def run_verify(args: argparse.Namespace) -> int:
     with open_database(args.db) as db, DTensorOracle(args.mesh_size) as oracle:
         for model in models:
             step = capture_model(model)
-            result = discover_rules(step.graph, db, progress=console.is_terminal)
+            result = discover_rules(step.graph, db, console)
             reports.append(verify_graph(step.graph, result.rules, oracle, executor, model=model))
     print_report(console, merge_reports(reports), details=args.details)
     return 0

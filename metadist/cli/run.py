@@ -1,21 +1,28 @@
-"""``metadist run MODEL --nproc N``: plan and run a workload on N local processes via torchrun.
+"""``metadist run MODEL --nproc N``: plan and run a workload on N local processes.
 
-The command launches ``python -m torch.distributed.run --standalone
---nproc-per-node N -m metadist.runtime.worker ...`` (gloo on CPU, NCCL with
-CUDA) and returns its exit status; each rank captures, plans, lowers and runs
-(:mod:`metadist.runtime.worker`), and rank 0 prints the plan, each step's loss
-and time, bytes per collective (measured vs predicted) and, with ``--check``,
-the comparison with a single-device run. If one rank fails, torchrun stops the
-others; collectives time out after ``--timeout-s``, so nothing hangs.
+The command starts N ranks of :mod:`metadist.runtime.worker` with torchelastic's
+launcher (what ``torchrun --standalone`` runs; gloo on CPU, NCCL with CUDA, see
+:mod:`metadist.runtime.launch`); each rank captures, plans, lowers and runs, and rank 0
+shows the compile phases, the plan, each step's loss and time, bytes per collective
+(measured vs predicted) and, with ``--check``, the comparison with a single-device run.
+Everything else the ranks write goes to the run's log folder (``--log-dir``, default
+``runs/`` in MetaDist's cache folder). If a rank fails, the others are stopped and the
+terminal shows one block: the rank, its phase, the exception and the user's line (or
+the signal that killed it), what to do, and the log holding the traceback. Collectives
+time out after ``--timeout-s``, so nothing hangs.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .main import UsageError
+
+if TYPE_CHECKING:
+    from ..runtime.launch import LaunchOutcome, LocalLaunch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,14 +62,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run every collective to completion where it stands (default: issue early, wait late)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="cap of one coalesced collective in MiB (default 25; 0 issues one collective per value)")
+    add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
 
 
+def add_log_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-dir", default=None, type=Path,
+                        help="folder that receives the run's folder of per-rank logs "
+                             "(default: runs/ in MetaDist's cache folder, where the newest 20 are kept)")
+
+
 def worker_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line that runs every rank."""
+    """The torchrun command line equivalent to the launch (to run the ranks by hand)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+            "-m", "metadist.runtime.worker", *worker_args(args)]
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The arguments of every rank's ``python -m metadist.runtime.worker``."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        "-m", "metadist.runtime.worker", args.model,
+        args.model,
         "--steps", str(args.steps), "--plan", args.plan, "--optimizer", args.optimizer,
         "--seed", str(args.seed), "--timeout-s", str(args.timeout_s),
     ]
@@ -148,6 +167,7 @@ def run_jax_multihost_route(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..ir import Mesh
+    from ..runtime.launch import LocalLaunch
 
     if is_jax_route(args):
         return run_jax_route(args)
@@ -165,11 +185,31 @@ def run(args: argparse.Namespace) -> int:
             f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "
             f"pass --nproc {mesh.size} or a mesh of {args.nproc} devices"
         )
-    completed = subprocess.run(worker_command(args), check=False)
-    if completed.returncode != 0:
-        print(
-            f"metadist run: error: the distributed run failed (torchrun exit status {completed.returncode}); "
-            "the failing rank's message is above",
-            file=sys.stderr,
-        )
-    return completed.returncode
+    outcome = launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)),
+                                            nproc=args.nproc, log_dir=log_dir(args), name=args.model), "metadist run")
+    if outcome.ok:
+        print(f"logs of every rank: {outcome.run_folder}")
+    return outcome.exit_status()
+
+
+def log_dir(args: argparse.Namespace) -> Path:
+    """``--log-dir``, or ``runs/`` in the cache folder (pruned to the newest runs)."""
+    from ..config import settings_from_env
+    from ..runtime.launch import default_log_dir, prune_runs
+
+    if args.log_dir is not None:
+        return args.log_dir
+    folder = default_log_dir(settings_from_env().cache_dir)
+    if folder.is_dir():
+        prune_runs(folder)
+    return folder
+
+
+def launch_and_report(launch: LocalLaunch, command: str) -> LaunchOutcome:
+    """Run ``launch``; if it fails, print its one block to stderr."""
+    from ..runtime.launch import failure_block, launch_local
+
+    outcome = launch_local(launch)
+    if not outcome.ok:
+        print(failure_block(outcome, command), file=sys.stderr)
+    return outcome

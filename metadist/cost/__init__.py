@@ -20,6 +20,6 @@ from .bucketing import DEFAULT_BUCKET_CAP_BYTES, NO_BUCKETING, OUTPUT_CONSUMER, 
 from .comm import Collective, Resharding, collective_seconds, halo_exchange_bytes, halo_exchange_seconds, reshard
 from .compute import Work, compute_seconds, node_work, split_degree
 from .memory import Liveness, ValueLife, liveness
-from .sharding import is_divisible, local_nbytes, shard_divisor
+from .sharding import is_divisible, largest_local_shape, local_nbytes, padded_nbytes, shard_divisor
 
 __all__ = [name for name in dir() if not name.startswith("_")]

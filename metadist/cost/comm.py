@@ -17,6 +17,10 @@ Shard(i) -> Shard(j)   all-to-all           (n-1) alpha + (n-1)/n B / bw
 Shard(i) -> Partial    all-gather           as Shard -> Replicate
 =====================  ===================  =====================================================
 
+Uneven pieces (``torch.chunk``: the last ones shorter or empty) are priced as the runtime moves
+them, padded to equal pieces: ``B`` is the largest piece (an all-gather's), or the buffer with its
+scattered dim padded to a multiple of ``n`` (a reduce-scatter's, an all-to-all's).
+
 Axes that shrink the buffer (to Shard) go first, then the gathers and all-reduces, so that
 each collective moves as little as possible (the order DTensor's redistribute favours).
 
@@ -37,7 +41,7 @@ from typing import Sequence
 
 from ..ir import Partial, Replicate, Shard, TensorSpec
 from .cluster import Cluster, Link
-from .sharding import local_nbytes
+from .sharding import local_nbytes, padded_nbytes
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,24 @@ def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster, fi
     collectives = []
     for axis in shrinking + growing:
         kind = _collective_kind(current[axis], dst[axis])
-        buffer_bytes = local_nbytes(spec, current, mesh)
+        buffer_bytes = _buffer_bytes(kind, spec, current, dst[axis], mesh, axis)
         current[axis] = dst[axis]
         if kind is None:
             continue
         seconds, sent = collective_seconds(kind, buffer_bytes, mesh.shape[axis], cluster.link(axis), fixed_share)
         collectives.append(Collective(kind=kind, axis=axis, comm_bytes=sent, comm_s=seconds))
     return Resharding(tuple(collectives))
+
+
+def _buffer_bytes(kind: str | None, spec: TensorSpec, current: Sequence, wanted, mesh, axis: int) -> float:
+    """The local buffer a collective starts from, padded as the runtime pads uneven pieces.
+
+    An all-gather's input is the largest piece (every piece is padded to it); a reduce-scatter's
+    and an all-to-all's scattered dim is padded up to a multiple of the axis size.
+    """
+    if kind in ("reduce_scatter", "all_to_all") and isinstance(wanted, Shard):
+        return padded_nbytes(spec, current, mesh, wanted.dim, mesh.shape[axis])
+    return local_nbytes(spec, current, mesh)
 
 
 def halo_exchange_bytes(spec: TensorSpec, sharding: Sequence, axis: int, halo: int, mesh) -> float:

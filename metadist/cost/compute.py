@@ -6,6 +6,11 @@ strategy divides the FLOPs by the number of devices the iteration space is split
 axes that take a factor), and counts the bytes of the local shards the strategy reads and
 writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``.
 View ops alias their input and cost nothing.
+
+Uneven splits (``torch.chunk`` pieces) are priced on the rank with the largest pieces, which
+the others wait for: a factor of size ``n`` cut into ``m`` pieces does ``ceil(n / m) / n`` of the
+work there instead of ``1 / m`` (:func:`uneven_scale`), and the shards' bytes are the largest
+pieces' (:func:`~.sharding.local_nbytes`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..ir import Graph, Mesh, Node, TensorSpec
+from ..ir import Graph, Mesh, Node, Shard, TensorSpec
 from ..ir.plan import NodeStrategy
 from .cluster import Device
 from .sharding import local_nbytes
@@ -103,6 +108,39 @@ def split_degree(strategy: NodeStrategy, mesh: Mesh) -> int:
     return degree
 
 
+def uneven_scale(strategy: NodeStrategy, input_specs: Sequence[TensorSpec], mesh: Mesh) -> float:
+    """How much more than ``1 / split_degree`` of the work the rank with the largest pieces does (1.0 when even).
+
+    Per factor (the axes taking one factor index), from the first input that carries it: a dim of
+    size ``n`` cut over those axes (nested, axis order) has a largest piece ``p``; the factor's scale is
+    ``p * count / n``. Exactly 1.0 for every even split.
+    """
+    axes_of: dict[int, list[int]] = {}
+    for axis, choice in enumerate(strategy.choices):
+        if choice.kind == "factor":
+            axes_of.setdefault(choice.index, []).append(axis)
+    scale = 1.0
+    for axes in axes_of.values():
+        size = _factor_size(strategy, input_specs, axes[0])
+        if not size:
+            continue
+        largest, count = size, 1
+        for axis in axes:
+            largest, count = -(-largest // mesh.shape[axis]), count * mesh.shape[axis]
+        if largest * count != size:
+            scale *= largest * count / size
+    return scale
+
+
+def _factor_size(strategy: NodeStrategy, input_specs: Sequence[TensorSpec], axis: int) -> int | None:
+    """The global size of the dim that ``axis``'s factor splits, read from the first input sharded on that axis."""
+    for spec, sharding in zip(input_specs, strategy.inputs):
+        placement = sharding[axis]
+        if isinstance(placement, Shard) and placement.dim < spec.rank:
+            return spec.shape[placement.dim]
+    return None
+
+
 def compute_seconds(
     work: Work,
     input_specs: Sequence[TensorSpec],
@@ -111,10 +149,12 @@ def compute_seconds(
     mesh: Mesh,
     device: Device,
 ) -> float:
-    """Roofline time of the node's local work under ``strategy`` (seconds)."""
+    """Roofline time of the node's local work under ``strategy`` (seconds), on the rank with the largest pieces."""
     if work.is_view:
         return 0.0
     flops = work.flops / split_degree(strategy, mesh)
+    if strategy.choices:
+        flops *= uneven_scale(strategy, input_specs, mesh)
     memory_bytes = sum(local_nbytes(spec, sharding, mesh) for spec, sharding in zip(input_specs, strategy.inputs))
     memory_bytes += sum(
         local_nbytes(spec, sharding, mesh)

@@ -1,4 +1,4 @@
-"""Sizes of values under a sharding: the local shard one device holds."""
+"""Sizes of values under a sharding: the local shard one device holds (the largest, where pieces are uneven)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,31 @@ def shard_divisor(sharding: Sequence, mesh: Mesh) -> int:
     return divisor
 
 
-def local_nbytes(spec: TensorSpec, sharding: Sequence | None, mesh: Mesh) -> float:
-    """Bytes of the local shard of ``spec`` under ``sharding`` (ceil per sharded dim)."""
-    if sharding is None:
-        return float(spec.nbytes)
+def largest_local_shape(spec: TensorSpec, sharding: Sequence, mesh: Mesh) -> list[int]:
+    """The largest local shard of ``spec`` under ``sharding``: ``ceil`` per sharded dim, nested in axis order.
+
+    Uneven dims are cut as ``torch.chunk`` cuts them; the rank at coordinate 0 of every axis holds
+    this shape, and the collectives pad every other piece to it.
+    """
     shape = list(spec.shape)
     for axis, placement in enumerate(sharding):
         if isinstance(placement, Shard) and placement.dim < len(shape):
-            shape[placement.dim] = math.ceil(shape[placement.dim] / mesh.shape[axis])
+            shape[placement.dim] = -(-shape[placement.dim] // mesh.shape[axis])
+    return shape
+
+
+def local_nbytes(spec: TensorSpec, sharding: Sequence | None, mesh: Mesh) -> float:
+    """Bytes of the (largest) local shard of ``spec`` under ``sharding`` (ceil per sharded dim)."""
+    if sharding is None:
+        return float(spec.nbytes)
+    return float(math.prod(largest_local_shape(spec, sharding, mesh)) * spec.itemsize)
+
+
+def padded_nbytes(spec: TensorSpec, sharding: Sequence, mesh: Mesh, dim: int, parts: int) -> float:
+    """Bytes of the largest local shard with ``dim`` padded up to a multiple of ``parts`` (a reduce-scatter's
+    or an all-to-all's input on uneven pieces, as the runtime pads it)."""
+    shape = largest_local_shape(spec, sharding, mesh)
+    shape[dim] = -(-shape[dim] // parts) * parts
     return float(math.prod(shape) * spec.itemsize)
 
 

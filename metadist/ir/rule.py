@@ -1,4 +1,4 @@
-"""SPMD rules in factor notation (see DESIGN.md, "Rules: factor notation").
+"""SPMD rules in factor notation (see docs/design.md, "Rules: factor notation").
 
 A :class:`Rule` is the set of ways an op's iteration space can be split. Each
 :class:`Factor` names, for every tensor input (in the node's flattened input
@@ -53,6 +53,11 @@ Example, ``aten.convolution`` (3x3 kernel, padding 1, stride 1) on ``[N, C, H, W
 
 The width depends on the kernel's size, so ops that can carry halo factors have
 signatures with concrete sizes (:data:`metadist.shardcombine.signature.HALO_OPS`).
+
+A **proportional factor** occupies dims of different sizes, each a multiple of the smallest:
+grouped-query attention's heads factor splits the query's ``H = g * Hk`` heads and the key's and
+value's ``Hk`` heads into the same number of contiguous pieces, ``g : 1`` in size, so each query
+head stays with its key/value head (see :meth:`Factor.size`). Plans split it evenly only.
 
 A **block-cyclic** ``Concat(dim, chunk=k)`` (piece ``r`` made of ``k`` blocks, block ``j``
 of every piece side by side forming block ``j`` of the output) is representable, parsed
@@ -172,11 +177,25 @@ class Factor:
         return next(out.op for out in self.outputs if isinstance(out, Reduce))
 
     def size(self, input_shapes: tuple[tuple[int, ...], ...]) -> int:
-        """The extent of the split: the size of the dims this factor occupies (they agree)."""
+        """The extent of the split: the size of the dims this factor occupies.
+
+        The dims usually agree. A *proportional* factor occupies dims of different sizes, each a
+        multiple of the smallest (grouped-query attention: query heads ``g * Hk``, key/value heads
+        ``Hk``); its extent is the smallest, and piece ``r`` of a dim ``m`` times larger is
+        ``m`` times piece ``r``'s bounds. Even splits (``torch.chunk`` of every dim by a count that
+        divides the smallest) are exactly such pieces; uneven ``torch.chunk`` splits are not, so a
+        plan splits a proportional factor only where the count divides every dim it occupies.
+        """
         sizes = {input_shapes[index][dim] for index, dim in enumerate(self.inputs) if dim is not None}
-        if len(sizes) != 1:
-            raise RuleError(f"factor {self} occupies dims of different sizes {sorted(sizes)} in shapes {input_shapes}")
-        return sizes.pop()
+        smallest = min(sizes)
+        if smallest < 1 and len(sizes) > 1 or any(size % smallest for size in sizes if smallest):
+            raise RuleError(f"factor {self} occupies dims of sizes {sorted(sizes)} in shapes {input_shapes}: "
+                            "neither equal nor multiples of the smallest")
+        return smallest
+
+    def is_proportional(self, input_shapes: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether the dims this factor occupies differ in size (see :meth:`size`): such a factor splits evenly only."""
+        return len({input_shapes[index][dim] for index, dim in enumerate(self.inputs) if dim is not None}) > 1
 
     def sort_key(self) -> tuple:
         # Factors print in the order of the first input dim they occupy (mm: m, k, n).

@@ -32,7 +32,10 @@ parameters at once (as FSDP's prefetch). The cap bounds the extra memory held: t
 forward hold at most ``bucket_cap_bytes`` per bucket before their readers run.
 
 Every rank computes the same buckets: the walk depends only on the instruction structure and
-on local sizes, which are equal on every rank (shards are even).
+on sizes read on the rank with the largest pieces (:func:`~.program.buffer_bytes`), which are the
+same on every rank even where pieces are uneven. A collective on uneven pieces carries its
+``pad`` step in ``pre`` and its ``unpad`` step in ``post``, so the shared collective always moves
+equal pieces.
 
 **Shared collectives.** Before bucketing, :func:`share_collectives` runs each identical
 collective step on the same source once: when one value is resharded to two targets, both
@@ -50,7 +53,7 @@ from typing import Iterable, Iterator
 
 from ..ir import Partial, Replicate, Shard
 from .program import BucketMember, CoalescedReshard, Instruction, LocalOp, RankProgram, Reshard, buffer_bytes
-from .reshard import COLLECTIVE_KINDS, ReshardStep
+from .reshard import COLLECTIVE_KINDS, PAD_KINDS, ReshardStep
 
 __all__ = ["COALESCIBLE_KINDS", "DEFAULT_BUCKET_CAP_BYTES", "coalesce", "coalescible_step", "share_collectives",
            "split_stages"]
@@ -89,7 +92,12 @@ def split_stages(reshard: Reshard) -> tuple[Reshard, ...]:
     cuts = [index for index, step in enumerate(reshard.steps) if step.kind in COLLECTIVE_KINDS]
     if len(cuts) <= 1:
         return (reshard,)
-    bounds = [0] + cuts[1:] + [len(reshard.steps)]
+    starts = []
+    for cut in cuts[1:]:  # a collective's pad step (uneven pieces) goes with it, so stages hold unpadded values
+        while cut > 0 and reshard.steps[cut - 1].kind == "pad":
+            cut -= 1
+        starts.append(cut)
+    bounds = [0] + starts + [len(reshard.steps)]
     stages, source, sharding = [], reshard.source, tuple(reshard.source_sharding)
     for number, (start, end) in enumerate(zip(bounds, bounds[1:])):
         steps = reshard.steps[start:end]
@@ -113,6 +121,8 @@ def _after(sharding: tuple, steps: Iterable[ReshardStep]) -> tuple:
             current[step.axis] = Shard(step.split_dim)
         elif step.kind == "zero_partial":
             current[step.axis] = Partial("sum")
+        elif step.kind in PAD_KINDS:
+            continue  # padding for a collective on uneven pieces: the sharding is unchanged
         else:
             raise ValueError(f"unknown resharding step kind {step.kind!r}")
     return tuple(current)

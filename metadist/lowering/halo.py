@@ -20,7 +20,8 @@ The exchanges and trims are :class:`Reshard` instructions with step kinds outsid
 
 The halo's neighbours must hold the adjacent pieces of the dim: the dim is sharded by the
 halo axis alone (:func:`metadist.ir.plan.strategy_from_choices` refuses two axes taking one
-halo factor; another axis sharding the same dim is refused here).
+halo factor; another axis sharding the same dim is refused here), in equal pieces (uneven
+pieces are refused here; the solver never plans them).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def halo_exchange_step(spec: TensorSpec, sharding: tuple, local_in: tuple[int, .
         raise LoweringError(
             f"{what}: dim {dim} is sharded over mesh axes {[mesh.axis_names[a] for a in [axis, *others]]}, but a halo "
             f"exchange on axis {mesh.axis_names[axis]!r} needs that axis alone to split dim {dim}. Plan again"
+        )
+    if spec.shape[dim] % mesh.shape[axis]:
+        raise LoweringError(
+            f"{what}: dim {dim} ({spec.shape[dim]}) is split unevenly over mesh axis {mesh.axis_names[axis]!r} "
+            f"({mesh.shape[axis]}), and halo exchanges need equal pieces. Plan again (the solver splits halo dims evenly)"
         )
     if local_in[dim] < halo:
         raise LoweringError(f"{what}: local pieces of dim {dim} ({local_in[dim]}) are narrower than the halo ({halo})")

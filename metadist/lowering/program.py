@@ -127,8 +127,12 @@ class CoalescedReshard:
 
 
 def buffer_bytes(step: ReshardStep, itemsize: int) -> int:
-    """The larger of a collective's local input and output, in bytes (what a bucket holds of it)."""
-    return max(_numel(step.local_shape_in), _numel(step.local_shape_out)) * itemsize
+    """The larger of a collective's input and output, in bytes (what a bucket holds of it).
+
+    Read on the rank with the largest pieces (:attr:`ReshardStep.bound_in`), so that decisions made
+    from it (buckets, the in-flight cap) are the same on every rank when pieces are uneven.
+    """
+    return max(_numel(step.bound_in), _numel(step.bound_out)) * itemsize
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -286,7 +290,8 @@ class _Lowering:
             if any(isinstance(p, Partial) for p in sharding):
                 raise LoweringError(f"graph input %{name} starts {format_sharding(sharding)}; inputs cannot start Partial")
             what = f"{graph_input.role} input %{name}"
-            result.append(ProgramInput(name, graph_input.role, spec, sharding, local_shape(spec.shape, sharding, self.mesh, what=what)))
+            result.append(ProgramInput(name, graph_input.role, spec, sharding,
+                                       local_shape(spec.shape, sharding, self.mesh, self.coords, what=what)))
             self.sharding[name] = sharding
         return tuple(result)
 
@@ -349,7 +354,7 @@ class _Lowering:
         sharding = tuple(strategy.inputs[index])
         steps = []
         spec = self.graph.value(node.input_names[index]).spec
-        local = local_shape(spec.shape, sharding, self.mesh, what=what)
+        local = local_shape(spec.shape, sharding, self.mesh, self.coords, what=what)
         for axis, halo in enumerate(strategy.halos):
             if halo and isinstance(sharding[axis], Shard):
                 steps.append(halo_exchange_step(spec, sharding, local, axis, halo, self.mesh, self.coords, what))
@@ -402,9 +407,9 @@ class _Lowering:
                 local_shapes.append(None)
                 continue
             what = f"output %{value.name} of node {node.name!r}"
-            local_shapes.append(local_shape(value.spec.shape, sharding, self.mesh, what=what))
+            local_shapes.append(local_shape(value.spec.shape, sharding, self.mesh, self.coords, what=what))
         input_local = tuple(
-            local_shape(spec.shape, sharding, self.mesh, what=f"input {index} of node {node.name!r}")
+            local_shape(spec.shape, sharding, self.mesh, self.coords, what=f"input {index} of node {node.name!r}")
             for index, (spec, sharding) in enumerate(zip(input_specs, strategy.inputs))
         )
         return NodeContext(node, input_specs, tuple(map(tuple, strategy.inputs)), input_local, output_specs,

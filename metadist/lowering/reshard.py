@@ -18,25 +18,40 @@ three phases (2 and 3 interleave, first axis first):
    locally (no communication); ``Replicate -> Partial(sum)`` keeps the value on
    coordinate 0 of the axis and zeros elsewhere (``max``/``min``: nothing to do).
 
+**Uneven pieces** (:mod:`.shapes`: ``torch.chunk`` pieces, the last ones shorter or
+empty) move as DTensor moves them: collectives need equal pieces, so a ``pad`` step
+first fills this rank's piece with zeros at the end of the dim up to the full chunk
+``c = ceil(n / k)`` (a reduce-scatter's input: up to ``k * c``), the collective runs on
+equal pieces, and an ``unpad`` step keeps the real elements (pieces are full except at
+the end, so after a gather the padding is all at the end of the dim). Pad steps appear
+where some group of the axis has an uneven extent (the same steps on every rank; a
+rank whose piece is already full pads nothing).
+
 ``comm_bytes`` is what one rank sends (= receives) on the ring algorithms:
 all-gather ``(k-1)/k`` of the gathered output, reduce-scatter ``(k-1)/k`` of
 the input, all-reduce ``2(k-1)/k`` of the tensor, all-to-all ``(k-1)/k`` of the
-tensor; the runtime counts executed collectives the same way.
+tensor, padding included; the runtime counts executed collectives the same way.
+Each step also records its shapes on the rank at coordinate 0 of every axis, the
+largest on any rank (``bound_shape_in``/``bound_shape_out``): decisions that must be
+the same on every rank (buckets, the in-flight cap) read those.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..ir import Mesh, Partial, Replicate, Shard, format_sharding
 from .errors import LoweringError
-from .shapes import local_shape
+from .shapes import chunk_bounds, local_shape
 
-__all__ = ["ReshardStep", "plan_resharding", "comm_bytes", "COLLECTIVE_KINDS"]
+__all__ = ["ReshardStep", "plan_resharding", "comm_bytes", "COLLECTIVE_KINDS", "PAD_KINDS"]
 
-#: Step kinds that communicate; ``local_slice`` and ``zero_partial`` do not.
+#: Step kinds that communicate; ``local_slice``, ``zero_partial``, ``pad`` and ``unpad`` do not.
 COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+#: Local steps around a collective on uneven pieces: zeros appended up to equal pieces, then cut off.
+PAD_KINDS = ("pad", "unpad")
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,8 @@ class ReshardStep:
     ``dim`` is the dim gathered (all_gather), scattered (reduce_scatter), sliced
     (local_slice) or gathered by an all-to-all, whose ``split_dim`` is the dim it
     scatters. ``coordinate`` is this rank's coordinate on ``axis`` (local ops).
+    ``pad`` appends zeros at the end of every dim that grows from ``local_shape_in`` to
+    ``local_shape_out``; ``unpad`` keeps the leading elements of every dim that shrinks.
     """
 
     kind: str
@@ -59,15 +76,27 @@ class ReshardStep:
     local_shape_out: tuple[int, ...]
     comm_bytes: int
     """Bytes this rank sends on the ring algorithm (0 for local steps)."""
+    bound_shape_in: tuple[int, ...] | None = None
+    """``local_shape_in`` on the rank at coordinate 0 of every axis: the largest on any rank (None: as local)."""
+    bound_shape_out: tuple[int, ...] | None = None
+    """``local_shape_out`` on the rank at coordinate 0 of every axis (None: as local)."""
 
     def __str__(self) -> str:
         detail = {"all_gather": f"dim {self.dim}", "reduce_scatter": f"{self.op}, dim {self.dim}",
                   "all_reduce": f"{self.op}", "all_to_all": f"dim {self.dim} -> {self.split_dim}",
-                  "local_slice": f"dim {self.dim}", "zero_partial": "sum"}.get(self.kind)
+                  "local_slice": f"dim {self.dim}", "zero_partial": "sum", "pad": "zeros", "unpad": "keep"}.get(self.kind)
         if self.kind in ("halo_exchange", "halo_trim"):  # the width is half the change of the dim (lowering.halo)
             width = abs(self.local_shape_out[self.dim] - self.local_shape_in[self.dim]) // 2
             detail = f"dim {self.dim}, {'halo' if self.kind == 'halo_exchange' else 'trim'} {width}"
         return f"{self.kind}(axis {self.axis}, {detail}) {list(self.local_shape_in)} -> {list(self.local_shape_out)}"
+
+    @property
+    def bound_in(self) -> tuple[int, ...]:
+        return self.local_shape_in if self.bound_shape_in is None else self.bound_shape_in
+
+    @property
+    def bound_out(self) -> tuple[int, ...]:
+        return self.local_shape_out if self.bound_shape_out is None else self.bound_shape_out
 
 
 def comm_bytes(kind: str, axis_size: int, bytes_in: int, bytes_out: int) -> int:
@@ -97,27 +126,88 @@ def _common_prefix(first: list[int], second: list[int]) -> list[int]:
     return prefix
 
 
+def _extents(size: int, axis_sizes: Sequence[int]) -> set[int]:
+    """Every size a dim of ``size`` has on some rank after nested chunks over ``axis_sizes``."""
+    sizes = {size}
+    for parts in axis_sizes:
+        sizes = {chunk_bounds(extent, parts, index)[1] for extent in sizes for index in range(parts)}
+    return sizes
+
+
 class _Builder:
     """Tracks the current sharding while steps are appended."""
 
     def __init__(self, shape, itemsize, source, mesh, coords, what) -> None:
-        self.shape, self.itemsize, self.mesh, self.coords, self.what = tuple(shape), itemsize, mesh, coords, what
+        self.shape, self.itemsize, self.mesh, self.coords, self.what = tuple(shape), itemsize, mesh, tuple(coords), what
         self.current = list(source)
         self.steps: list[ReshardStep] = []
 
     def local(self, sharding) -> tuple[int, ...]:
-        return local_shape(self.shape, sharding, self.mesh, what=self.what)
+        return local_shape(self.shape, sharding, self.mesh, self.coords, what=self.what)
 
-    def emit(self, kind, axis, placement, *, dim=None, split_dim=None, op=None) -> None:
+    def uneven_at(self, axis: int, dim: int, sharding) -> bool:
+        """Whether ``axis`` cuts ``dim`` unevenly on some rank, given the axes before it that shard ``dim`` in ``sharding``."""
+        earlier = [self.mesh.shape[a] for a in _axes_sharding(sharding, dim) if a < axis]
+        return any(extent % self.mesh.shape[axis] for extent in _extents(self.shape[dim], earlier))
+
+    def emit(self, kind, axis, placement, *, dim=None, split_dim=None, op=None, padded_in=None, padded_out=None) -> None:
+        """One step on ``axis`` that sets its placement; ``padded_in``/``padded_out``: the collective's equal pieces."""
         before = self.local(self.current)
         self.current[axis] = placement
         after = self.local(self.current)
-        nbytes_in, nbytes_out = _numel(before) * self.itemsize, _numel(after) * self.itemsize
+        shape_in = before if padded_in is None else padded_in
+        shape_out = after if padded_out is None else padded_out
+        if padded_in is not None:  # on every rank, even where the piece is full: the steps never depend on coordinates
+            self._append("pad", axis, before, shape_in)
+        self._append(kind, axis, shape_in, shape_out, dim=dim, split_dim=split_dim, op=op)
+        if padded_out is not None:
+            self._append("unpad", axis, shape_out, after)
+
+    def _append(self, kind, axis, shape_in, shape_out, *, dim=None, split_dim=None, op=None) -> None:
+        nbytes_in, nbytes_out = _numel(shape_in) * self.itemsize, _numel(shape_out) * self.itemsize
         self.steps.append(ReshardStep(
             kind=kind, axis=axis, axis_size=self.mesh.shape[axis], dim=dim, split_dim=split_dim, op=op,
-            coordinate=self.coords[axis], local_shape_in=before, local_shape_out=after,
+            coordinate=self.coords[axis], local_shape_in=tuple(shape_in), local_shape_out=tuple(shape_out),
             comm_bytes=comm_bytes(kind, self.mesh.shape[axis], nbytes_in, nbytes_out),
         ))
+
+    # -- the collectives, padded where some group of the axis has an uneven extent ---------------------
+    def all_gather(self, axis: int, dim: int) -> None:
+        if not self.uneven_at(axis, dim, self.current):
+            return self.emit("all_gather", axis, Replicate(), dim=dim)
+        k, before = self.mesh.shape[axis], self.local(self.current)
+        extent = self.local(_with(self.current, axis, Replicate()))[dim]
+        full = -(-extent // k)
+        self.emit("all_gather", axis, Replicate(), dim=dim,
+                  padded_in=_resized(before, {dim: full}), padded_out=_resized(before, {dim: k * full}))
+
+    def reduce_scatter(self, axis: int, dim: int, op: str) -> None:
+        if not self.uneven_at(axis, dim, self.current):
+            return self.emit("reduce_scatter", axis, Shard(dim), dim=dim, op=op)
+        k, before = self.mesh.shape[axis], self.local(self.current)
+        full = -(-before[dim] // k)
+        self.emit("reduce_scatter", axis, Shard(dim), dim=dim, op=op,
+                  padded_in=_resized(before, {dim: k * full}), padded_out=_resized(before, {dim: full}))
+
+    def all_to_all(self, axis: int, gather_dim: int, split_dim: int) -> None:
+        uneven = self.uneven_at(axis, gather_dim, self.current) or self.uneven_at(axis, split_dim, self.current)
+        if not uneven:
+            return self.emit("all_to_all", axis, Shard(split_dim), dim=gather_dim, split_dim=split_dim)
+        k, before = self.mesh.shape[axis], self.local(self.current)
+        gather_full, split_full = -(-self.shape[gather_dim] // k), -(-before[split_dim] // k)
+        self.emit("all_to_all", axis, Shard(split_dim), dim=gather_dim, split_dim=split_dim,
+                  padded_in=_resized(before, {gather_dim: gather_full, split_dim: k * split_full}),
+                  padded_out=_resized(before, {gather_dim: k * gather_full, split_dim: split_full}))
+
+
+def _with(sharding, axis: int, placement) -> list:
+    changed = list(sharding)
+    changed[axis] = placement
+    return changed
+
+
+def _resized(shape: Sequence[int], sizes: dict[int, int]) -> tuple[int, ...]:
+    return tuple(sizes.get(dim, size) for dim, size in enumerate(shape))
 
 
 def plan_resharding(
@@ -138,8 +228,17 @@ def plan_resharding(
     source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
     if source == target:
         return ()
+    steps = _build(global_shape, itemsize, source, target, mesh, coords, what)
+    bounds = _build(global_shape, itemsize, source, target, mesh, (0,) * mesh.ndim, what)
+    if [step.kind for step in steps] != [step.kind for step in bounds]:  # pragma: no cover - kinds never read coordinates
+        raise LoweringError(f"internal: resharding {what} takes other steps at coordinates {tuple(coords)} than at 0")
+    return tuple(replace(step, bound_shape_in=bound.local_shape_in, bound_shape_out=bound.local_shape_out)
+                 for step, bound in zip(steps, bounds))
+
+
+def _build(global_shape, itemsize, source: tuple, target: tuple, mesh: Mesh, coords, what: str) -> list[ReshardStep]:
     build = _Builder(global_shape, itemsize, source, mesh, coords, what)
-    build.local(target)  # reject an uneven target before any step
+    build.local(target)  # reject a target that names a dim the value lacks before any step
     _unshard(build, source, target)
     _reduce_and_shard(build, target)
     if tuple(build.current) != target:  # pragma: no cover - the phases cover every placement pair
@@ -147,7 +246,7 @@ def plan_resharding(
             f"internal: resharding {what} from {format_sharding(source)} to {format_sharding(target)} "
             f"ended at {format_sharding(tuple(build.current))}"
         )
-    return tuple(build.steps)
+    return build.steps
 
 
 def _on_real_axes(sharding: Sequence, mesh: Mesh) -> tuple:
@@ -165,9 +264,9 @@ def _unshard(build: _Builder, source: tuple, target: tuple) -> None:
             continue
         wanted = target[axis]
         if isinstance(wanted, Shard) and wanted.dim != placement.dim and _alone(source, target, axis, placement.dim, wanted.dim):
-            build.emit("all_to_all", axis, wanted, dim=placement.dim, split_dim=wanted.dim)
+            build.all_to_all(axis, placement.dim, wanted.dim)
         else:
-            build.emit("all_gather", axis, Replicate(), dim=placement.dim)
+            build.all_gather(axis, placement.dim)
 
 
 def _alone(source: tuple, target: tuple, axis: int, gather_dim: int, split_dim: int) -> bool:
@@ -189,7 +288,7 @@ def _reduce_and_shard(build: _Builder, target: tuple) -> None:
         if isinstance(placement, Partial):
             nested_before = [a for a in _axes_sharding(target, wanted.dim) if a < axis] if isinstance(wanted, Shard) else None
             if isinstance(wanted, Shard) and _axes_sharding(build.current, wanted.dim) == nested_before:
-                build.emit("reduce_scatter", axis, wanted, dim=wanted.dim, op=placement.op)
+                build.reduce_scatter(axis, wanted.dim, placement.op)
                 continue
             build.emit("all_reduce", axis, Replicate(), op=placement.op)
         if build.current[axis] == wanted:

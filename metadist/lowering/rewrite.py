@@ -51,6 +51,32 @@ def _replace_arg(position: int) -> Rewrite:
     return rewrite
 
 
+def _reshape(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
+    """view/reshape: the size is the local output shape, which must hold the local input's elements.
+
+    With uneven pieces (``torch.chunk``), a reshape that merges or splits a sharded dim has no
+    local counterpart: ``chunk(6, 4)`` rows of a ``(6, 3)`` tensor are not ``chunk(18, 4)`` rows
+    of its ``(18,)`` view. The solver never plans that; a plan that does is refused here.
+    """
+    local_in, local_out = ctx.input_local_shapes[0], ctx.output_local_shapes[0]
+    if _numel(local_in) != _numel(local_out):
+        raise LoweringError(
+            f"node {ctx.node.name!r} ({ctx.node.op.target}) reshapes {ctx.input_specs[0].shape} -> {ctx.output_specs[0].shape}, "
+            f"but on this rank its input piece {local_in} and output piece {local_out} hold different numbers of elements: "
+            "the plan splits a dim unevenly that the reshape merges or splits. Plan again (the solver splits such dims "
+            "evenly or not at all), or make the dim a multiple of the mesh axes that split it"
+        )
+    args[1] = tuple(local_out)
+    return ctx.node.op.target, args, kwargs
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
 def _empty_strided(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
     args[0] = tuple(ctx.output_local_shapes[0])
     args[1] = contiguous_strides(args[0])
@@ -190,9 +216,9 @@ def _pad(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:
 
 
 _REWRITES: dict[str, Rewrite] = {
-    "aten.view.default": _replace_arg(1),
-    "aten.reshape.default": _replace_arg(1),
-    "aten._unsafe_view.default": _replace_arg(1),
+    "aten.view.default": _reshape,
+    "aten.reshape.default": _reshape,
+    "aten._unsafe_view.default": _reshape,
     "aten.expand.default": _replace_arg(1),
     "aten.full.default": _replace_arg(0),
     "aten.zeros.default": _replace_arg(0),

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..frontends.torch import TorchStep
 from ..ir import Mesh
 from ..ir.plan import Plan
-from ..progress import enter
+from ..progress import phase
 from .plan_source import PLAN_SOURCES, load_plan, plan_decisions
 from .setup import check_same_everywhere
 from .step import CompiledStep
@@ -76,11 +76,11 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
     plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster,
                      bucket_cap_bytes=options.bucket_cap_bytes, pinned=options.pinned)
     plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
-    enter("lowering")
-    compiled = CompiledStep(
-        torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
-        compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
-        bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap, batch_mode=options.batch_mode,
-        verify_batch=options.verify_batch,
-    )
+    with phase("lowering"):
+        compiled = CompiledStep(
+            torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
+            compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
+            bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap, batch_mode=options.batch_mode,
+            verify_batch=options.verify_batch,
+        )
     return compiled, plan_hash

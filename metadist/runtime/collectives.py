@@ -7,6 +7,12 @@ axis (``DeviceMesh.get_group(axis)``, passed by name) and records the bytes
 this rank sends, by the ring convention of :mod:`metadist.lowering.reshard`,
 so that measured bytes can be compared with the plan's prediction.
 
+Pieces cut unevenly (``torch.chunk``, :mod:`metadist.lowering.shapes`) reach the collectives
+already padded to equal pieces: the lowering puts ``pad``/``unpad`` steps around them
+(:func:`pad_to`, :func:`unpad_to`), so every collective here moves equal pieces, and counts
+the padding it sends. :func:`local_slice` cuts as ``torch.chunk`` does, so a rank's piece may
+be shorter than the others' or empty.
+
 The ``coalesced_*`` methods run one collective for several tensors (a bucket of
 :mod:`metadist.lowering.coalesce`) through one flat buffer in a per-rank layout:
 segment ``r`` of the buffer holds, member after member, what rank ``r`` sends
@@ -26,10 +32,11 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..lowering import CoalescedReshard, ReshardStep, comm_bytes
+from ..lowering import CoalescedReshard, ReshardStep, chunk_bounds, comm_bytes
 
-__all__ = ["Collectives", "CommRecord", "local_slice", "zero_partial", "run_steps", "run_coalesced", "unpack_all_reduce",
-           "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all", "apply_halo_step", "halo_trim"]
+__all__ = ["Collectives", "CommRecord", "local_slice", "take_bounds", "pad_to", "unpad_to", "zero_partial", "run_steps",
+           "run_coalesced", "unpack_all_reduce", "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all",
+           "apply_halo_step", "halo_trim"]
 
 
 @dataclass(frozen=True)
@@ -242,9 +249,39 @@ def unpack_all_to_all(received: torch.Tensor, gather_dim: int) -> torch.Tensor:
 
 
 def local_slice(tensor: torch.Tensor, dim: int, coordinate: int, parts: int) -> torch.Tensor:
-    """This rank's piece ``coordinate`` of ``parts`` along ``dim`` (a copy, so the whole can be freed)."""
-    length = tensor.shape[dim] // parts
-    return tensor.narrow(dim, coordinate * length, length).clone()
+    """This rank's piece ``coordinate`` of ``parts`` along ``dim``, cut as ``torch.chunk`` cuts (a copy, so the whole can be freed)."""
+    start, length = chunk_bounds(tensor.shape[dim], parts, coordinate)
+    return tensor.narrow(dim, start, length).clone()
+
+
+def take_bounds(tensor: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The block of ``tensor`` at ``(offset, length)`` per dim (:func:`metadist.lowering.local_bounds`), as its own contiguous copy."""
+    if len(bounds) != tensor.dim():
+        raise ValueError(f"bounds for {len(bounds)} dims given for a tensor of shape {tuple(tensor.shape)}")
+    for dim, (offset, length) in enumerate(bounds):
+        if (offset, length) != (0, tensor.shape[dim]):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor.clone()
+
+
+def pad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``tensor`` with zeros appended at the end of every dim that is shorter than ``shape`` (itself when none is)."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    if any(have > want for have, want in zip(tensor.shape, shape)) or tensor.dim() != len(shape):
+        raise ValueError(f"cannot pad a tensor of shape {tuple(tensor.shape)} to {tuple(shape)}")
+    out = tensor.new_zeros(tuple(shape))
+    out[tuple(slice(0, size) for size in tensor.shape)] = tensor
+    return out
+
+
+def unpad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The leading ``shape`` elements of ``tensor`` in every dim (itself when it has that shape)."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    if any(have < want for have, want in zip(tensor.shape, shape)) or tensor.dim() != len(shape):
+        raise ValueError(f"cannot cut a tensor of shape {tuple(tensor.shape)} to {tuple(shape)}")
+    return tensor[tuple(slice(0, size) for size in shape)].contiguous()
 
 
 def zero_partial(tensor: torch.Tensor, coordinate: int) -> torch.Tensor:
@@ -292,6 +329,10 @@ def apply_step(comm: Collectives, tensor: torch.Tensor, step: ReshardStep) -> to
         return local_slice(tensor, step.dim, step.coordinate, step.axis_size)
     if step.kind == "zero_partial":
         return zero_partial(tensor, step.coordinate)
+    if step.kind == "pad":
+        return pad_to(tensor, step.local_shape_out)
+    if step.kind == "unpad":
+        return unpad_to(tensor, step.local_shape_out)
     if step.kind in ("halo_exchange", "halo_trim"):
         return apply_halo_step(comm, tensor, step)
     raise ValueError(f"unknown resharding step kind {step.kind!r}")

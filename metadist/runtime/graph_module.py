@@ -27,8 +27,8 @@ from ..frontends.torch.execute import materialize, resolve_op
 from ..ir import Shard
 from ..lowering import COLLECTIVE_KINDS, CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep, Wait
 from .collectives import (
-    Collectives, halo_trim, local_slice, pack_flat, pack_for_reduce_scatter, unpack_all_gather, unpack_all_reduce,
-    unpack_all_to_all, unpack_reduce_scatter, zero_partial,
+    Collectives, halo_trim, local_slice, pack_flat, pack_for_reduce_scatter, pad_to, unpack_all_gather, unpack_all_reduce,
+    unpack_all_to_all, unpack_reduce_scatter, unpad_to, zero_partial,
 )
 from .errors import LocalOpError
 
@@ -194,6 +194,10 @@ def _emit_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.Node, 
         return graph.call_function(local_slice, (node, step.dim, step.coordinate, step.axis_size))
     if step.kind == "zero_partial":
         return graph.call_function(zero_partial, (node, step.coordinate))
+    if step.kind == "pad":  # uneven pieces padded to equal ones around a collective (metadist.lowering.reshard)
+        return graph.call_function(pad_to, (node, step.local_shape_out))
+    if step.kind == "unpad":
+        return graph.call_function(unpad_to, (node, step.local_shape_out))
     if step.kind in ("halo_exchange", "halo_trim"):
         return _emit_halo_step(graph, comm, node, step)
     raise ValueError(f"unknown resharding step kind {step.kind!r}")

@@ -11,7 +11,7 @@ from ..frontends.torch import TorchStep
 from ..ir import Mesh
 from ..ir.plan import Plan
 from ..lowering import replicate_plan
-from ..progress import enter
+from ..progress import phase
 from .errors import RuntimeSetupError
 
 __all__ = ["load_plan", "plan_decisions", "PLAN_SOURCES"]
@@ -74,8 +74,8 @@ def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_b
         return _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned)
     text = (_solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned).to_json()
             if dist.get_rank() == 0 else "")
-    enter("waiting for rank 0's plan", quiet=True)
-    return Plan.from_json(_broadcast_text(text))
+    with phase("waiting for rank 0's plan", quiet=True):
+        return Plan.from_json(_broadcast_text(text))
 
 
 def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,
@@ -91,13 +91,13 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
     if cluster is None and not torch.cuda.is_available():
         cluster = "cpu-gloo"
     rules = rules_from_database(torch_step.graph, TorchExecutor())  # marks the "discovery" phase
-    enter("solve")
     resolved = resolve_cluster(cluster, mesh)
-    if source == "solver":
-        restrictions = Restrictions(input_shardings={name: frozenset({sharding}) for name, sharding in pinned.items()})
-        return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes,
-                          bucket_cap_bytes=bucket_cap_bytes, restrictions=restrictions)
-    return baseline_plan(torch_step.graph, rules, resolved, source)
+    with phase("solve"):
+        if source == "solver":
+            restrictions = Restrictions(input_shardings={name: frozenset({sharding}) for name, sharding in pinned.items()})
+            return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes,
+                              bucket_cap_bytes=bucket_cap_bytes, restrictions=restrictions)
+        return baseline_plan(torch_step.graph, rules, resolved, source)
 
 
 def _broadcast_text(text: str) -> str:

@@ -375,10 +375,9 @@ def _device_of(device_mesh: DeviceMesh) -> torch.device:
 
 
 def shard_full_tensor(tensor: torch.Tensor, sharding: tuple, mesh_shape: tuple[int, ...], coords: tuple[int, ...]) -> torch.Tensor:
-    """This rank's shard of a full tensor (nested slices in axis order), as its own contiguous copy."""
-    local = tensor
-    for axis, placement in enumerate(sharding):
-        if isinstance(placement, Shard):
-            length = local.shape[placement.dim] // mesh_shape[axis]
-            local = local.narrow(placement.dim, coords[axis] * length, length)
-    return local.clone()
+    """This rank's shard of a full tensor (nested ``torch.chunk`` pieces in axis order, as DTensor cuts), as its own copy."""
+    from ..ir import Mesh
+    from ..lowering import local_bounds
+    from .collectives import take_bounds
+
+    return take_bounds(tensor, local_bounds(tuple(tensor.shape), sharding, Mesh(tuple(mesh_shape)), coords))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -21,7 +19,6 @@ import torch
 from ..ir import Mesh
 from .build import bytes_from_mib
 from .env import read_torchrun_env
-from .errors import USER_ERRORS
 from .setup import setup_device_mesh, teardown
 
 __all__ = ["WorkerConfig", "main", "parse_args"]
@@ -105,18 +102,22 @@ def run_worker(config: WorkerConfig) -> int:
     """The recipe; returns the exit status."""
     from ..frontends.torch import capture_step
     from ..ir.plan import Plan, graph_fingerprint
+    from ..progress import enter
     from .build import StepOptions, compile_captured, read_plan_source
     from .report import Reporter
 
     env = read_torchrun_env()
+    enter("setup")
     device_mesh = setup_device_mesh(config.mesh, env, timeout_s=config.timeout_s)
     reporter = Reporter(enabled=env.rank == 0)
+    enter("load")
     workload = _load_workload(config)
     optimizer = workload.optimizer(workload.model.parameters())
     train_step = workload.train_step()
     start = _one_start(workload, optimizer, device_mesh)
     reporter.note(start.describe())
     plan_source = read_plan_source(config.plan)
+    enter("capture")
     torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
     compare_grads = config.check
     if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
@@ -132,15 +133,18 @@ def run_worker(config: WorkerConfig) -> int:
     compiled, plan_hash = compile_captured(torch_step, config.mesh, device_mesh, options)
     plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
+    enter("reference run", quiet=not config.check)
     reference = _reference(config, workload, train_step) if config.check else None
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     losses = []
     for step in range(config.steps):
+        enter(f"step {step}", quiet=True)
         started = time.perf_counter()
         loss = compiled(workload.model, optimizer, workload.batch)
         losses.append(float(loss))
         reporter.step(step, losses[-1], time.perf_counter() - started)
+    enter("report", quiet=True)
     reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), config.steps)
     reporter.solver_estimate(plan, compiled.comm_records(), config.steps)
     if reference is not None:
@@ -196,17 +200,17 @@ def _reference(config: WorkerConfig, workload, train_step):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one rank; user errors print one line and exit 2, so that torchrun stops the other ranks."""
-    from ..cli.main import user_error_types
+    """Run one rank; a failure exits 2 (bad input) or 1, so that torchrun stops the other ranks.
+
+    The failure is recorded in torchelastic's error file with MetaDist's reading of it
+    (:func:`metadist.runtime.failure.run_rank`, which ``metadist run`` turns into one block)
+    and its traceback goes to stderr, this rank's log under ``metadist run``. Each phase the
+    rank enters is kept in its phase file; rank 0 shows the compile phases on its stdout.
+    """
+    from .failure import run_rank
 
     try:
-        return run_worker(parse_args(argv))
-    except Exception as err:  # report the user's errors in one line; anything else keeps its traceback
-        if isinstance(err, user_error_types() + USER_ERRORS):
-            rank = os.environ.get("RANK", "?")
-            print(f"metadist run (rank {rank}): error: {err}", file=sys.stderr)
-            return 2
-        raise
+        return run_rank(lambda: run_worker(parse_args(argv)), show_phases=True)
     finally:
         teardown()
 

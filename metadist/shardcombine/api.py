@@ -167,8 +167,10 @@ class _progress:
 
 #: Bumped whenever discovery changes what it accepts (new soundness checks, new derived rules), so
 #: that rules found by an older discovery are not served from the database: they are found again.
-DISCOVERY_VERSION = 4
-"""3: affine factors (``addmm``'s ``k`` with the bias ``Partial(sum)``); 4: halo factors of windowed ops."""
+DISCOVERY_VERSION = 5
+"""3: affine factors (``addmm``'s ``k`` with the bias ``Partial(sum)``); 4: halo factors of windowed ops;
+5: attention (SDPA) ops: shape validation, their own stand-ins, proportional (grouped-query) heads
+factors, GPU kernels by equivalence; ops that crash or hang in the isolated worker get a reason."""
 
 
 def _version_key(executor: OpExecutor) -> str:

@@ -40,6 +40,7 @@ from typing import ContextManager, Sequence
 import numpy as np
 
 from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Reduce, Rule
+from . import attention
 from .combine import check_combine, close, infer_combine, tolerance_for
 from .executor import ExecutionRefused, OpCall, OpExecutor
 from .halo import halo_factor
@@ -105,11 +106,16 @@ def discover(
     """
     if not call.input_specs:
         raise NoRule("no tensor inputs: a factory is created replicated, or created sharded by the lowering")
+    if attention.is_attention(call.target) and attention.schema_of(call.target).gpu:
+        return _gpu_attention_rule(call, executor, config)
     if is_random_like(call):
         return random_op_rule(call)
     with _session(executor):
         work, draws = _prepare(call, executor, shapes, config)
         candidates = candidate_factors(work.input_shapes, config.max_candidates)
+        if attention.is_attention(call.target):
+            candidates += attention.proportional_candidates(work, work.input_shapes)
+            candidates = attention.consistent_candidates(work, candidates)
         found = {combo: _try_factor(work, executor, draws, combo, config) for combo in candidates}
         if op_name(call.target) in HALO_OPS:
             _halo_factors(call, executor, work, draws, found, config)
@@ -122,6 +128,14 @@ def discover(
         factors=tuple(factors),
         partial_passes=tuple(passes),
     )
+
+
+def _gpu_attention_rule(call: OpCall, executor: OpExecutor, config: DiscoveryConfig) -> Rule:
+    """A GPU-only SDPA kernel's rule, stated from the CPU kernel's rule (:mod:`.attention`), or NoRule."""
+    outcome = attention.gpu_rule_from_cpu(call, lambda cpu_call: discover(cpu_call, executor, config=config))
+    if isinstance(outcome, str):
+        raise NoRule(outcome)
+    return outcome
 
 
 def _halo_factors(call: OpCall, executor: OpExecutor, work: OpCall, draws: list[_Draw], found: dict, config: DiscoveryConfig) -> None:
@@ -214,7 +228,11 @@ def _shape_options(call: OpCall, shapes, config: DiscoveryConfig) -> list[tuple[
     if shapes is not None:
         return [("given", tuple(tuple(s) for s in shapes))]
     real = call.input_shapes
-    if op_name(call.target) in RESHAPE_OPS and call.node.outputs[0] is not None:
+    if attention.is_attention(call.target):
+        standin = attention.standin_shapes(call)
+        if standin is None:
+            raise NoRule(f"not valid attention shapes: {attention.shape_error(call)}")
+    elif op_name(call.target) in RESHAPE_OPS and call.node.outputs[0] is not None:
         standin = (standin_reshape(real[0], call.node.outputs[0].spec.shape),) + standin_shapes(real[1:])
     else:
         standin = standin_shapes(real)
@@ -328,10 +346,15 @@ def _plain_factor(call: OpCall, executor: OpExecutor, draws: list[_Draw], combo,
 def _run_pieces(call: OpCall, executor: OpExecutor, inputs, combo, count: int, parts=None):
     """Per output, the list of per-shard results; None if the op cannot run split this way.
 
-    ``parts`` (input -> one array per shard) replaces unsplit inputs shard by shard.
+    ``parts`` (input -> one array per shard) replaces unsplit inputs shard by shard. A proportional
+    candidate (split dims of different sizes, each a multiple of the smallest) cuts every dim into
+    pieces in proportion to its size.
     """
     parts = parts or {}
-    size = next(inputs[i].shape[d] for i, d in enumerate(combo) if d is not None)
+    ratios = _proportions(inputs, combo)
+    if ratios is None:
+        return None
+    size = min(inputs[i].shape[d] for i, d in enumerate(combo) if d is not None)
     for uneven in (True, False):
         sizes = piece_sizes(size, count, uneven)
         if sizes is None:
@@ -340,17 +363,28 @@ def _run_pieces(call: OpCall, executor: OpExecutor, inputs, combo, count: int, p
         results = []
         try:
             for k in range(count):
-                piece = [x if d is None else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d) for x, d in zip(inputs, combo)]
+                piece = [x if d is None else np.take(x, np.arange(bounds[k] * r, bounds[k + 1] * r), axis=d)
+                         for x, d, r in zip(inputs, combo, ratios)]
                 for index, values in parts.items():
                     piece[index] = values[k]
                 results.append(executor.run(call, piece))
-        except ExecutionRefused:
+        except ExecutionRefused as err:
+            log.debug("%s split %s into %s refused: %s", call.target, combo, sizes, err)
             continue
         except Exception as err:  # the op rejects these pieces: try even pieces, then give up
             log.debug("%s split %s into %s: %s", call.target, combo, sizes, err)
             continue
         return [list(outputs) for outputs in zip(*results)]
     return None
+
+
+def _proportions(inputs, combo) -> list[int] | None:
+    """Per input, its split dim's size over the smallest split dim's (1 where unsplit); None if one does not divide."""
+    sizes = [x.shape[d] for x, d in zip(inputs, combo) if d is not None]
+    smallest = min(sizes)
+    if smallest < 1 or any(size % smallest for size in sizes):
+        return None
+    return [1 if d is None else x.shape[d] // smallest for x, d in zip(inputs, combo)]
 
 
 # ----------------------------------------------------------------- affine factors

@@ -253,13 +253,14 @@ def compare_node(node: Node, graph: Graph, rule: Rule, oracle: DTensorOracle, ex
     call = op_call(graph, node)
     ours, not_comparable = rule_strategies(rule)
     checks = check_rule_by_execution(call, rule, executor, seed=seed)
-    failed = {check.what for check in checks if check.ok is False}
+    outcome = {check.what: check for check in checks}
     dtensor = oracle.strategies(node, graph)
     status = dtensor if isinstance(dtensor, str) else "registered"
     theirs = set() if isinstance(dtensor, str) else {_align(strategy, rule) for strategy in dtensor}
+    ours = _blank_unplaced(ours, theirs)
     absent = status if isinstance(dtensor, str) else "DTensor does not list it"
     agreements = sorted(strategy for strategy in ours if strategy in theirs)
-    only_ours = [StrategyFinding(strategy, _our_reason(label, failed, absent)) for strategy, label in ours.items() if strategy not in theirs]
+    only_ours = [StrategyFinding(strategy, _our_reason(outcome.get(label), absent)) for strategy, label in ours.items() if strategy not in theirs]
     only_ours += [StrategyFinding(strategy, "block-cyclic/halo pieces have no DTensor placement") for strategy in not_comparable]
     only_dtensor = [
         StrategyFinding(strategy, _dtensor_finding(strategy, call, rule, executor, seed)) for strategy in sorted(theirs - set(ours))
@@ -324,9 +325,29 @@ def _align(strategy: Strategy, rule: Rule) -> Strategy:
     return Strategy(strategy.inputs, outputs)
 
 
-def _our_reason(label: str, failed: set[str], why_absent: str) -> str:
-    if label in failed:
+def _blank_unplaced(ours: dict[Strategy, str], theirs: set[Strategy]) -> dict[Strategy, str]:
+    """Our ``R`` outputs blanked where DTensor places nothing in any strategy (the GPU attention kernels'
+    philox seed and offset): a replicated scalar against no placement is no disagreement about splitting."""
+    if not theirs:
+        return ours
+    width = len(next(iter(theirs)).outputs)
+    unplaced = {p for p in range(width) if all(len(s.outputs) == width and s.outputs[p] is None for s in theirs)}
+    if not unplaced:
+        return ours
+    blanked = {}
+    for strategy, label in ours.items():
+        if len(strategy.outputs) == width:
+            strategy = Strategy(strategy.inputs, tuple(None if p in unplaced and out == REPLICATE else out
+                                                       for p, out in enumerate(strategy.outputs)))
+        blanked[strategy] = label
+    return blanked
+
+
+def _our_reason(check: ExecutionCheck | None, why_absent: str) -> str:
+    if check is not None and check.ok is False:
         return f"WRONG: fails the execution re-check; {why_absent}"
+    if check is None or check.ok is None:
+        return f"not re-checked here ({check.detail if check else 'no check'}); {why_absent}"
     return f"holds in the execution re-check; {why_absent}"
 
 

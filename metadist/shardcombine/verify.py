@@ -44,12 +44,15 @@ def split_inputs(
 ) -> list[list[np.ndarray]]:
     """The per-shard inputs of a factor: split where the factor sits, whole elsewhere.
 
+    A proportional factor's dims are cut in proportion to their sizes (:meth:`Factor.size`).
     An affine factor's ``partial_inputs`` are cut into ``shards`` parts that add up to them,
     the ``split`` way (see :func:`.discover.affine_parts`: ``zero``, ``random``, ``alternating``).
     """
     rng = np.random.default_rng(seed)
     parts = {index: affine_parts(np.asarray(inputs[index]), shards, split, rng) for index in factor.partial_inputs}
-    size = factor.size(tuple(tuple(x.shape) for x in inputs))
+    shapes = tuple(tuple(x.shape) for x in inputs)
+    size = factor.size(shapes)
+    ratios = [1 if d is None else shapes[index][d] // size for index, d in enumerate(factor.inputs)]
     sizes = piece_sizes(size, shards, uneven)
     if sizes is None:
         raise ValueError(f"cannot split a dim of size {size} into {shards} pieces")
@@ -60,8 +63,8 @@ def split_inputs(
         [
             parts[index][k] if index in parts else x if d is None
             else extend_piece(x, d, int(bounds[k]), int(bounds[k + 1]), factor.halo) if factor.halo
-            else np.take(x, np.arange(bounds[k], bounds[k + 1]), axis=d)
-            for index, (x, d) in enumerate(zip(inputs, factor.inputs))
+            else np.take(x, np.arange(bounds[k] * ratio, bounds[k + 1] * ratio), axis=d)
+            for index, (x, d, ratio) in enumerate(zip(inputs, factor.inputs, ratios))
         ]
         for k in range(shards)
     ]

@@ -64,10 +64,15 @@ def _restrictions(graph: Graph, mesh: Mesh, kind: str) -> Restrictions:
     return Restrictions(input_shardings=allowed)
 
 
-def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0) -> Plan:
-    """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget."""
+def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0,
+                  uneven_shards: bool = True) -> Plan:
+    """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget.
+
+    Graph inputs start evenly split, as the baselines' systems split them; ``uneven_shards`` lets the
+    solver split the nodes in between unevenly (False: even splits only, see :func:`plan_graph`).
+    """
     if kind not in BASELINES:
         raise SolverError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=time_limit_s,
-                      restrictions=_restrictions(graph, cluster.mesh, kind))
+                      restrictions=_restrictions(graph, cluster.mesh, kind), uneven_shards=uneven_shards)
     return replace(plan, solver={**plan.solver, "kind": kind})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Mapping
 
 from ..cost import DEFAULT_BUCKET_CAP_BYTES, Cluster, bucketing_for
@@ -44,6 +45,7 @@ def plan_graph(
     beam_width: int = 16,
     restrictions: Restrictions = Restrictions(),
     bucket_cap_bytes: float | None = None,
+    uneven_shards: bool = True,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest strategies that fit ``memory_budget_bytes`` per device.
 
@@ -51,10 +53,14 @@ def plan_graph(
     ``memory_budget_bytes``: None for the device's capacity; ``float('inf')`` for no budget.
     ``bucket_cap_bytes``: the runtime's coalescing bucket (the lowering's ``bucket_cap_bytes``; None: its default, 0: off),
     which decides how update-phase collectives are priced (:mod:`metadist.cost.bucketing`).
+    ``uneven_shards``: False plans even splits only, for a runtime that cannot hold ``torch.chunk`` pieces
+    (JAX: ``jit``'s in and out shardings must divide every dim).
     """
     if solver not in SOLVERS:
         raise SolverError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
     rule_map, missing = split_rules(rules)
+    if not uneven_shards:
+        restrictions = replace(restrictions, uneven_shards=False)
     budget = cluster.device.memory_capacity_bytes if memory_budget_bytes is None else memory_budget_bytes
     budget = None if budget == float("inf") else float(budget)
     problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes))

@@ -92,6 +92,8 @@ class Restrictions:
 
     input_shardings: Mapping[str, frozenset] = field(default_factory=dict)
     """Graph input name -> the shardings it may take."""
+    uneven_shards: bool = True
+    """Whether dims may be split unevenly (``torch.chunk`` pieces); False for a runtime that takes even shards only."""
 
 
 def _member_strategies(graph: Graph, rules: Mapping[str, Rule], cluster: Cluster, restrictions: Restrictions):
@@ -101,14 +103,16 @@ def _member_strategies(graph: Graph, rules: Mapping[str, Rule], cluster: Cluster
     compute: dict[str, tuple[float, ...]] = {}
     for graph_input in graph.inputs:
         name = graph_input.value.name
-        sets[name] = input_strategies(graph_input.value.spec, mesh, restrictions.input_shardings.get(name))
+        sets[name] = input_strategies(graph_input.value.spec, mesh, restrictions.input_shardings.get(name),
+                                      restrictions.uneven_shards)
         compute[name] = (0.0,) * len(sets[name].strategies)
     for node in graph.nodes:
         in_specs = tuple(graph.value(name).spec for name in node.input_names)
         out_specs = tuple(v.spec if v else None for v in node.outputs)
         key = (rules.get(node.name), node.op.target, node.op.is_view, in_specs, out_specs)
         if key not in cache:
-            found = node_strategies(key[0], tuple(s.shape for s in in_specs), tuple(s.shape if s else None for s in out_specs), mesh)
+            found = node_strategies(key[0], tuple(s.shape for s in in_specs), tuple(s.shape if s else None for s in out_specs), mesh,
+                                    restrictions.uneven_shards)
             work = node_work(graph, node)
             seconds = tuple(
                 compute_seconds(work, in_specs, out_specs, st, mesh, cluster.device) + halo_exchange_seconds(in_specs, st, cluster)[0]
@@ -375,6 +379,16 @@ def _memory(graph, units, member_unit, unit_class, lives: Liveness, mesh, peaks)
     return tuple(per_peak), tuple(constants)
 
 
+def _uneven_stats(sets) -> dict[str, int]:
+    """Strategies with uneven splits: kept, and excluded by reason (``excluded_uneven_<reason>``)."""
+    stats = {"uneven_strategies": 0}
+    for found in sets:
+        stats["uneven_strategies"] += found.uneven
+        for reason, count in found.excluded_uneven:
+            stats[f"excluded_uneven_{reason}"] = stats.get(f"excluded_uneven_{reason}", 0) + count
+    return stats
+
+
 def build_problem(
     graph: Graph,
     rules: Mapping[str, Rule],
@@ -427,6 +441,7 @@ def build_problem(
         linear_comm_s={c: tuple(v) for c, v in linear.items()}, edges=edges, peaks=lives.peaks,
         memory_bytes=memory, memory_constant_bytes=constants, liveness=lives,
         excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
-        stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values())},
+        stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values()),
+               **_uneven_stats(sets.values())},
         bucketing=bucketing,
     )

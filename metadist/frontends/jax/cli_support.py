@@ -159,10 +159,11 @@ def plan_jax(name: str | JaxWorkload, mesh: Mesh | str | None = None, *, devices
     discovery_seconds = time.perf_counter() - started
     cluster_spec = resolve_cluster(cluster, mesh)
     started = time.perf_counter()
+    # even splits only: jit's in and out shardings must divide every dim (JAX refuses torch.chunk-style pieces)
     if baseline is None:
-        plan = plan_graph(step.graph, rules, cluster_spec, memory_budget_bytes=memory_budget_bytes)
+        plan = plan_graph(step.graph, rules, cluster_spec, memory_budget_bytes=memory_budget_bytes, uneven_shards=False)
     else:
-        plan = baseline_plan(step.graph, rules, cluster_spec, baseline)
+        plan = baseline_plan(step.graph, rules, cluster_spec, baseline, uneven_shards=False)
     solve_seconds = time.perf_counter() - started
     log.info("planned %s on %s in %.2f s (discovery %.2f s)", workload.name, mesh, solve_seconds, discovery_seconds)
     return JaxPlanned(workload, step, rules, plan, discovery_seconds, solve_seconds)

@@ -9,6 +9,13 @@ node was written for (:meth:`TorchExecutor.adapt`): reshape sizes by dim groups,
 expand sizes, slice and split bounds, the input sizes of slice/select backward,
 layer norm's ``normalized_shape`` and convolution backward's ``bias_sizes``.
 Where no rewrite keeps the op's meaning, it raises ``ExecutionRefused``.
+
+Before a kernel runs, cheap checks refuse pieces it cannot take: index-valued inputs out of range,
+shapes the meta kernel rejects, and, for the attention (SDPA) family, shapes the fused kernels take on
+trust (:func:`metadist.shardcombine.attention.shape_error`). Then kernels known to check their inputs
+(:mod:`.safe_ops`) run in this process; every other op runs in a forked worker
+(:class:`metadist.shardcombine.isolation.KernelWorker`), so a kernel that crashes or hangs on some
+pieces refuses that execution instead of killing the caller.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import numpy as np
 import torch
 
 from ...ir import Literal, Node, TensorSpec, ValueRef
+from ...shardcombine import attention
 from ...shardcombine.executor import ExecutionRefused, OpCall
+from ...shardcombine.isolation import KernelWorker
 from ...shardcombine.shapes import reshape_for, resolve_reshape
 from ...shardcombine.signature import op_name
 from .execute import materialize, resolve_op
+from .safe_ops import runs_in_process
 
 __all__ = ["TorchExecutor"]
 
@@ -36,25 +46,43 @@ _VIA_FLOAT32 = {"bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
 
 
 class TorchExecutor:
-    """Runs ATen ops (MetaIR targets ``aten.*``) on numpy arrays, on the CPU."""
+    """Runs ATen ops (MetaIR targets ``aten.*``, and custom ops) on numpy arrays, on the CPU.
+
+    ``isolate`` (default True) runs ops not known to check their inputs in a forked worker, each
+    execution bounded by ``timeout_s``; ``isolate=False`` runs everything in this process.
+    ``device="cuda"`` runs the kernels on the GPU, in this process (a forked child cannot use
+    CUDA): it is for tests that re-check rules on GPU-only kernels, not for discovery.
+    """
 
     framework = "torch"
     framework_version = torch.__version__
 
-    def __init__(self) -> None:
+    def __init__(self, *, isolate: bool = True, timeout_s: float = 60.0, device: str = "cpu") -> None:
         self._meta_checked: dict[tuple, str] = {}
+        self.device = torch.device(device)
+        self.isolate = isolate and self.device.type == "cpu"
+        self.worker = KernelWorker(_execute, timeout_s=timeout_s, setup=_single_thread)
+        """The isolated worker; its ``crashes`` count the executions each op lost to a crash or hang."""
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """Single-threaded kernels while discovery runs (tiny ops; threads only add overhead), restored after."""
+        """Single-threaded kernels while discovery runs (tiny ops; threads only add overhead), restored after.
+
+        The isolated worker, if one was started, stops when the session ends.
+        """
         threads = torch.get_num_threads()
         if threads != 1:
             torch.set_num_threads(1)
         try:
             yield
         finally:
+            self.worker.close()
             if threads != 1:
                 torch.set_num_threads(threads)
+
+    def close(self) -> None:
+        """Stop the isolated worker, if one runs."""
+        self.worker.close()
 
     # ------------------------------------------------------------- running
     def run(self, call: OpCall, inputs: Sequence[np.ndarray]) -> list[np.ndarray | None]:
@@ -62,12 +90,13 @@ class TorchExecutor:
         call = self.adapt(call, shapes)
         _check_indices(call.node, shapes, inputs)
         self._check_on_meta(call)
-        tensors = [_to_torch(x, spec.dtype) for x, spec in zip(inputs, call.input_specs)]
-        results = _call(call.node, tensors)
-        return [
-            None if value is None or not isinstance(out, torch.Tensor) else _to_numpy(out)
-            for value, out in zip(call.node.outputs, results)
-        ]
+        if attention.is_attention(call.target):
+            error = attention.shape_error(call)
+            if error:
+                raise ExecutionRefused(error)
+        if self.isolate and not runs_in_process(call.target):
+            return self.worker.run(call, list(inputs))
+        return _execute(call, inputs, self.device)
 
     def _check_on_meta(self, call: OpCall) -> None:
         """Run the op on meta tensors first: CPU kernels do not all check shapes, meta kernels do.
@@ -115,6 +144,21 @@ class TorchExecutor:
 # ----------------------------------------------------------------- numpy <-> torch
 
 
+def _execute(call: OpCall, inputs: Sequence[np.ndarray], device: torch.device = torch.device("cpu")) -> list[np.ndarray | None]:
+    """Run the kernel: numpy in, numpy out (one entry per node output). The worker runs this too."""
+    tensors = [_to_torch(x, spec.dtype).to(device) for x, spec in zip(inputs, call.input_specs)]
+    results = _call(call.node, tensors)
+    return [
+        None if value is None or not isinstance(out, torch.Tensor) else _to_numpy(out)
+        for value, out in zip(call.node.outputs, results)
+    ]
+
+
+def _single_thread() -> None:
+    """The worker's setup: one intra-op thread (a forked child must not enter the parent's OpenMP pool)."""
+    torch.set_num_threads(1)
+
+
 def _call(node: Node, tensors: Sequence[torch.Tensor]) -> tuple:
     env = {f"#{index}": tensor for index, tensor in enumerate(tensors)}
     numbered = iter(range(len(tensors)))
@@ -152,7 +196,7 @@ def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach()
+    tensor = tensor.detach().cpu()
     if str(tensor.dtype).removeprefix("torch.") in _VIA_FLOAT32:
         tensor = tensor.float()
     return np.array(tensor.contiguous().numpy(), copy=True)

@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from ...ir import Graph, GraphInput, GraphOutput, Literal, MetaOp, Node, Role, TensorSpec, Value, ValueRef
+from ...shardcombine.attention import is_attention
 from .errors import CaptureError
 
 __all__ = ["InputSlot", "fx_to_ir", "dtype_name", "op_target", "op_tags"]
@@ -41,13 +42,29 @@ def op_target(op: torch._ops.OpOverload) -> str:
     return f"{op.namespace}.{op._opname}.{op._overloadname}"
 
 
-def op_tags(op: torch._ops.OpOverload) -> frozenset[str]:
+def op_tags(op: torch._ops.OpOverload, args: tuple = (), kwargs: dict | None = None) -> frozenset[str]:
+    """``random`` for ops that draw random numbers, ``view`` for views.
+
+    The attention (SDPA) kernels are tagged as seeded because of their dropout; called with
+    ``dropout_p = 0`` they draw nothing and are not ``random`` (so they are split, not drawn whole).
+    """
     tags = set()
-    if torch.Tag.nondeterministic_seeded in op.tags:
+    if torch.Tag.nondeterministic_seeded in op.tags and not _dropout_free_attention(op, args, kwargs or {}):
         tags.add("random")
     if op.is_view:
         tags.add("view")
     return frozenset(tags)
+
+
+def _dropout_free_attention(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    if not is_attention(op_target(op)):
+        return False
+    names = [argument.name for argument in op._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    position = names.index("dropout_p")
+    value = args[position] if position < len(args) else kwargs.get("dropout_p", op._schema.arguments[position].default_value)
+    return isinstance(value, (int, float)) and float(value) == 0.0
 
 
 def _spec(value: Any, where: str) -> TensorSpec:
@@ -175,7 +192,7 @@ def fx_to_ir(
             names[node] = node.name
             if _is_contiguous(val):
                 contiguous.add(node.name)
-        nodes.append(Node(node.name, MetaOp(op_target(node.target), op_tags(node.target)), args, kwargs, outputs))
+        nodes.append(Node(node.name, MetaOp(op_target(node.target), op_tags(node.target, node.args, node.kwargs)), args, kwargs, outputs))
 
     assert output_node is not None
     returned = output_node.args[0]

@@ -1,0 +1,374 @@
+"""Launch a local distributed run through torchelastic, and report a failure as one block.
+
+``metadist run`` and ``metadist bench`` start their ranks with torchelastic's launcher
+(:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun --standalone``
+runs) inside the command's own process, so that a failure arrives as data
+(``ChildFailedError.failures``: exit code, signal, error file per rank) instead of a
+traceback on the terminal. Each rank's output goes to torchelastic's log folder
+(``--log-dir``; default: ``runs/`` in MetaDist's cache folder): every stream of every
+rank, except rank 0's standard output when the run shows it (its plan, steps and
+check). The launcher's own log is ``launcher.log`` in the run's folder.
+
+A failure is told as one block (:func:`failure_block`): the rank that failed first,
+what it was doing (its phase, from the phase file every rank keeps, see
+:mod:`metadist.runtime.failure`), the exception and the user's line (from the error
+file) or the signal that killed it, what to do, and the log that holds its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .failure import ExceptionReport, UserFrame, phase_file_path
+
+__all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "default_log_dir", "failure_block", "launch_local"]
+
+#: Run folders kept in the default log folder; older ones are removed when a run starts.
+KEEP_RUNS = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalLaunch:
+    """One local run: ``python -u -m MODULE ARGS...`` on ``nproc`` ranks."""
+
+    module: str
+    """The per-rank entry point, e.g. ``metadist.runtime.worker``."""
+    args: tuple[str, ...]
+    """Its arguments (the same on every rank)."""
+    nproc: int
+    """Ranks to start."""
+    log_dir: Path
+    """Folder that receives this run's folder."""
+    name: str
+    """A short name for the run's folder (the model)."""
+    show_rank0_stdout: bool = True
+    """Rank 0's standard output stays on the terminal; False: it goes to its log like everything else."""
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be at least 1, got {self.nproc}")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed."""
+
+    rank: int
+    exitcode: int
+    """Its exit status; negative: killed by signal ``-exitcode``."""
+    phase: str | None
+    """The phase it was in (its phase file), or None if it never wrote one."""
+    exception: ExceptionReport | None
+    """Its exception, read from its error file; None if it died without one (a signal, ``os._exit``)."""
+    log: Path
+    """Its standard error: tracebacks, warnings, a crash's Python stack."""
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def same_as(self, other: RankFailure) -> bool:
+        """The same exception (type and message), or the same exit without one."""
+        if self.exception is None or other.exception is None:
+            return self.exception is None and other.exception is None and self.exitcode == other.exitcode
+        return (self.exception.type, self.exception.message) == (other.exception.type, other.exception.message)
+
+    @property
+    def is_consequence(self) -> bool:
+        """It failed because another rank did (a broken connection, a timeout, a stop from the launcher)."""
+        if self.exception is not None:
+            return self.exception.kind == "peer"
+        return self.exitcode == -signal.SIGTERM
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """What a local run left: its folder and its failures (none: it succeeded)."""
+
+    run_folder: Path
+    failures: tuple[RankFailure, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def root_cause(self) -> RankFailure | None:
+        """The failure that caused the others: not a consequence, the first recorded; of several ranks that
+        failed the same way, the lowest."""
+        if not self.failures:
+            return None
+
+        def order(failure: RankFailure) -> tuple:
+            recorded = failure.exception.time_s if failure.exception is not None else float("-inf")
+            return (failure.is_consequence, failure.exception is not None, recorded, failure.rank)
+
+        first = min(self.failures, key=order)
+        return min((failure for failure in self.failures if failure.same_as(first)), key=lambda failure: failure.rank)
+
+    def exit_status(self) -> int:
+        """0 when every rank succeeded, 2 when bad input stopped it, 1 otherwise."""
+        cause = self.root_cause()
+        if cause is None:
+            return 0
+        return 2 if cause.exception is not None and cause.exception.kind == "bad-input" else 1
+
+
+def default_log_dir(cache_dir: Path) -> Path:
+    """Where run folders go unless ``--log-dir`` says otherwise."""
+    return cache_dir / "runs"
+
+
+def launch_local(launch: LocalLaunch) -> LaunchOutcome:
+    """Start the ranks, wait for them, and collect their failures."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_folder = _new_run_folder(launch.log_dir, launch.name)
+    redirects = {rank: Std.ALL for rank in range(launch.nproc)}
+    if launch.show_rank0_stdout:
+        redirects[0] = Std.ERR
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=launch.nproc, run_id="ranks", role="rank",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
+    )
+    # as torchrun does: one OpenMP thread per rank unless the user chose otherwise
+    threads = "1" if launch.nproc > 1 and "OMP_NUM_THREADS" not in os.environ else ""
+    with _launcher_log(run_folder / "launcher.log"), _environment(OMP_NUM_THREADS=threads):
+        try:
+            elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
+        except ChildFailedError as err:
+            failures = tuple(_rank_failure(run_folder, rank, failure.exitcode)
+                             for rank, failure in sorted(err.failures.items()))
+            return LaunchOutcome(run_folder, failures)
+        except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
+            raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
+    return LaunchOutcome(run_folder, ())
+
+
+def _new_run_folder(log_dir: Path, name: str) -> Path:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(name.split(":")[0]).stem or name).strip("-")[:40] or "run"
+    folder = log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{os.getpid()}"
+    folder.mkdir()
+    return folder
+
+
+def prune_runs(log_dir: Path, keep: int = KEEP_RUNS) -> None:
+    """Remove all but the newest ``keep`` run folders in ``log_dir`` (the ones :func:`launch_local` makes)."""
+    import shutil
+
+    runs = sorted((p for p in log_dir.glob("*-*-*") if p.is_dir() and (p / "launcher.log").exists()),
+                  key=lambda p: p.stat().st_mtime)
+    for old in runs[:-keep] if keep > 0 else runs:
+        shutil.rmtree(old)
+
+
+def rank_folder(run_folder: Path, rank: int) -> Path:
+    """Torchelastic's folder of ``rank``'s logs: ``RUN/ranks_*/attempt_0/RANK``."""
+    found = sorted(run_folder.glob(f"ranks_*/attempt_0/{rank}"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected one log folder of rank {rank} under {run_folder}, found {len(found)}")
+    return found[0]
+
+
+def _rank_failure(run_folder: Path, rank: int, exitcode: int) -> RankFailure:
+    import json
+
+    folder = rank_folder(run_folder, rank)
+    exception = None
+    error_file = folder / "error.json"
+    if error_file.exists():
+        extra = json.loads(error_file.read_text())["message"].get("extraInfo", {})
+        if "metadist" in extra:
+            exception = ExceptionReport.from_dict(extra["metadist"])
+    from ..progress import read_phase_file
+
+    return RankFailure(rank=rank, exitcode=exitcode, phase=read_phase_file(phase_file_path(error_file)),
+                       exception=exception, log=folder / "stderr.log")
+
+
+@contextlib.contextmanager
+def _launcher_log(path: Path) -> Iterator[None]:
+    """torch.distributed's log records (the elastic agent's) go to ``path`` during the launch, not to the terminal.
+
+    torch's logging setup gives the ``torch.distributed`` logger its own stderr handler; it is set
+    aside for the launch and put back after.
+    """
+    logger = logging.getLogger("torch.distributed")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    logger.handlers = [handler]
+    logger.propagate, logger.level = False, logging.INFO
+    try:
+        yield
+    finally:
+        handler.close()
+        logger.handlers, logger.propagate, logger.level = saved
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables the ranks inherit (an empty value leaves a variable as it is)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# ---------------------------------------------------------------------------- the block
+
+
+def failure_block(outcome: LaunchOutcome, command: str) -> str:
+    """The failure as the terminal shows it: one block, no traceback."""
+    cause = outcome.root_cause()
+    if cause is None:
+        raise ValueError("the run succeeded: there is no failure to report")
+    during = f" during {cause.phase}" if cause.phase else ""
+    lines: list[str] = []
+    if cause.exception is not None:
+        lines.append(f"{command}: rank {cause.rank} failed{during}")
+        lines += _indent(f"{cause.exception.type}: {cause.exception.message}")
+        frame = cause.exception.user_frame
+        hint = _exception_hint(cause.exception, cause.phase)
+    else:
+        native, frame = _crash_details(cause.log)
+        lines.append(f"{command}: rank {cause.rank} {_death(cause)}{during}")
+        if native:
+            lines.append(f"  its last words: {native}")
+        hint = _exit_hint(cause)
+    if frame is not None:
+        lines.append(f"  at {frame.where()}" + (f": {frame.source}" if frame.source else ""))
+    lines.append(f"  what to do: {hint}")
+    lines.append(f"  log: {cause.log}")
+    others = [failure for failure in outcome.failures if failure is not cause]
+    if others:
+        lines.append("  also failed: " + "; ".join(_short(failure, cause) for failure in others))
+    lines.append(f"  logs of every rank: {outcome.run_folder}")
+    return "\n".join(lines)
+
+
+def _indent(text: str, limit: int = 20) -> list[str]:
+    lines = text.splitlines() or [""]
+    shown = [f"  {line}" for line in lines[:limit]]
+    if len(lines) > limit:
+        shown.append(f"  ... ({len(lines) - limit} more lines in the log)")
+    return shown
+
+
+def _death(failure: RankFailure) -> str:
+    if failure.signal_name is not None:
+        return f"was killed by signal {failure.signal_name} ({-failure.exitcode})"
+    return f"exited with status {failure.exitcode} without a Python exception"
+
+
+def _short(failure: RankFailure, cause: RankFailure) -> str:
+    if failure.same_as(cause):
+        what = "the same error"
+    elif failure.exception is not None:
+        what = f"{failure.exception.type}: {_first_line(failure.exception.message)}"
+    else:
+        what = _death(failure).replace("was killed by", "killed by")
+    during = f" during {failure.phase}" if failure.phase else ""
+    return f"rank {failure.rank} ({what}{during})"
+
+
+def _first_line(message: str, limit: int = 100) -> str:
+    """A message's first line, without a C++ source location in brackets (gloo's), cut to ``limit``."""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", message.splitlines()[0] if message else "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _exception_hint(exception: ExceptionReport, phase: str | None) -> str:
+    if exception.kind == "user-code":
+        if phase == "load":
+            return "fix the model file at that line: building the workload failed"
+        if phase == "capture":
+            return ("fix the training step at that line. MetaDist runs the step once to capture it, on fake tensors "
+                    "(shapes and dtypes, no values)")
+        return "fix your code at that line"
+    if exception.kind == "bad-input":
+        return "the message above says what to change"
+    if exception.kind == "check":
+        return ("the sharded run differs from the single-device run: unless the model is nondeterministic, this is a "
+                "MetaDist bug; please report it with the log below")
+    if exception.kind == "peer":
+        return "another rank failed or stopped answering first; its log says why (see the folder of every rank)"
+    return "this looks like a MetaDist bug: please report it with the log below, which holds the traceback"
+
+
+def _exit_hint(failure: RankFailure) -> str:
+    name = failure.signal_name
+    if name == "SIGKILL":
+        return ("something outside the process killed it, most often the kernel's out-of-memory killer (`dmesg` "
+                "says): try a smaller batch, a memory budget (--memory-gb) or building the model on meta (--meta-init)")
+    if name in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL"):
+        return ("it crashed in native code (a kernel, an extension or the communication library); the log holds "
+                "the Python stack at the crash")
+    if name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        return "it was stopped from outside (Ctrl-C, a job scheduler, the launcher after another failure)"
+    if name is not None:
+        return "the log holds what it wrote before the signal"
+    return "something called exit without an exception (os._exit or a library); the log holds its last output"
+
+
+_FATAL = re.compile(r"^Fatal Python error: (.*)$")
+_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
+
+
+def _crash_details(log: Path) -> tuple[str | None, UserFrame | None]:
+    """From a crashed rank's log: the native library's message before the crash, and the user's line in
+    the Python stack that ``faulthandler`` wrote (torchelastic's error handler enables it)."""
+    from .failure import is_library_file, is_user_file
+
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, os.path.getsize(log) - 65536))
+            lines = handle.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None, None
+    fatal = next((i for i in range(len(lines) - 1, -1, -1) if _FATAL.match(lines[i])), None)
+    if fatal is None:
+        return None, None
+    before = [line.strip() for line in lines[:fatal] if line.strip()]
+    native = before[-1] if before and not _FRAME.match(lines[fatal - 1]) else None
+    frames = []
+    for line in lines[fatal + 1:]:
+        if line.startswith("Thread ") and frames:
+            break  # the current thread's stack comes first; other threads follow
+        match = _FRAME.match(line)
+        if match:
+            frames.append(UserFrame(match[1], int(match[2]), match[3].strip(), ""))
+    for accept in (is_user_file, is_library_file):
+        for frame in frames:
+            if accept(frame.file):
+                return native, _with_source(frame)
+    return native, None
+
+
+def _with_source(frame: UserFrame) -> UserFrame:
+    import linecache
+
+    return UserFrame(frame.file, frame.line, frame.function, linecache.getline(frame.file, frame.line).strip())
