@@ -74,9 +74,19 @@ SCRIPT = textwrap.dedent(
     try:
         step.load(CKPT + "-missing")
     except Exception as err:
-        assert "not a complete checkpoint" in str(err), err
+        assert "does not exist" in str(err), err
     else:
         raise AssertionError("loading a missing checkpoint must fail")
+    import os
+    if dist.get_rank() == 0:
+        os.makedirs(CKPT + "-unfinished")  # a save that died before its metadata was written
+    dist.barrier()
+    try:
+        step.load(CKPT + "-unfinished")
+    except Exception as err:
+        assert "not a complete checkpoint" in str(err), err
+    else:
+        raise AssertionError("loading an unfinished checkpoint must fail")
     if dist.get_rank() == 0:
         print(f"META-CKPT-OK sharded={sharded} loss3={loss3:.6f} resumed={loss3b:.6f} max state diff {worst:.1e}")
     dist.destroy_process_group()

@@ -22,8 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 def gpt2():
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: eager parity step by step
-                        attn_implementation="eager")  # TEMPORARY until SDPA discovery lands
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: eager parity step by step
     return GPT2LMHeadModel(config)
 
 g = torch.Generator().manual_seed(1)
