@@ -57,6 +57,8 @@ class KernelWorker:
         """Op target -> how many executions of it crashed or hung."""
         self.last_reason: dict[str, str] = {}
         """Op target -> the reason of its latest crash."""
+        self.forks = 0
+        """How many worker processes were started (the first request, and one after each crash)."""
         self._child: _Child | None = None
         self._hung: dict[str, str] = {}
         self._finalizer: weakref.finalize | None = None
@@ -99,6 +101,7 @@ class KernelWorker:
     def _start(self) -> Connection:
         if self._child is None:
             self._child = _Child.fork(self.function, self.setup)
+            self.forks += 1
             self._finalizer = weakref.finalize(self, self._child.terminate)
         return self._child.connection
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -95,6 +97,8 @@ class TorchExecutor:
             if error:
                 raise ExecutionRefused(error)
         if self.isolate and not runs_in_process(call.target):
+            if not call.target.startswith("aten."):
+                _import_dynamo()
             return self.worker.run(call, list(inputs))
         return _execute(call, inputs, self.device)
 
@@ -152,6 +156,13 @@ def _execute(call: OpCall, inputs: Sequence[np.ndarray], device: torch.device = 
         None if value is None or not isinstance(out, torch.Tensor) else _to_numpy(out)
         for value, out in zip(call.node.outputs, results)
     ]
+
+
+@functools.lru_cache(maxsize=None)
+def _import_dynamo() -> None:
+    """Import ``torch._dynamo`` here, once: a Python custom op imports it on its first call (seconds),
+    and a worker forked afterwards inherits it instead of importing it again after every crash."""
+    importlib.import_module("torch._dynamo")
 
 
 def _single_thread() -> None:
