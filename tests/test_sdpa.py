@@ -278,6 +278,25 @@ def test_captured_attention_without_dropout_is_not_random_and_with_dropout_takes
 
 # ---------------------------------------------------------------- runs
 
+
+def test_an_empty_piece_gives_zeros_instead_of_running_the_kernel():
+    """Uneven shards can leave a rank no heads or no query positions; the CPU kernel divides by zero there."""
+    from metadist.runtime.graph_module import attention_or_zeros
+
+    forward = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    backward = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+    q = torch.randn(2, 0, 8, 16)
+    out, lse = attention_or_zeros(forward, q, q, q, 0.0, False)
+    assert out.shape == (2, 0, 8, 16) and lse.shape == (2, 0, 8)
+    q, k = torch.randn(2, 4, 0, 16), torch.randn(2, 4, 8, 16)
+    grads = attention_or_zeros(backward, q, q, k, k, q, torch.randn(2, 4, 0), 0.0, False)
+    assert [tuple(g.shape) for g in grads] == [(2, 4, 0, 16), (2, 4, 8, 16), (2, 4, 8, 16)]
+    assert not any(g.any() for g in grads)  # no query rows: the key and value gradients' share is zero
+    q = torch.randn(2, 4, 8, 16)
+    want = aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)
+    assert all(torch.equal(a, b) for a, b in zip(attention_or_zeros(forward, q, q, q), want))
+
+
 MODEL_FILE = '''
 """A small model calling scaled_dot_product_attention the ways models do (grouped, causal, masked, dropout)."""
 import torch
@@ -305,10 +324,10 @@ class Attention(torch.nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
-def workload(mode="causal", kv_heads=2, dropout=0.0, sgd=True):
+def workload(mode="causal", kv_heads=2, dropout=0.0, sgd=True, heads=4):
     torch.manual_seed(0)
-    width, seq, batch = 32, 8, 4
-    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Attention(width, 4, kv_heads, mode, dropout) for _ in range(2)]),
+    width, seq, batch = 8 * heads, 8, 4
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Attention(width, heads, kv_heads, mode, dropout) for _ in range(2)]),
                                  "head": torch.nn.Linear(width, 10)})
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     mask = causal.expand(batch, 1, seq, seq) if mode == "bool" else torch.zeros(batch, 1, seq, seq).masked_fill(~causal, -1e9)
@@ -341,6 +360,10 @@ def mha_mask():
 
 def gqa_bool_mask():
     return workload("bool")
+
+
+def six_heads():
+    return workload("plain", kv_heads=6, heads=6)
 
 
 def dropout():
@@ -399,6 +422,7 @@ def _run(spec: str, mesh: str, *extra: str, tmp_path) -> subprocess.CompletedPro
     ("mha_mask", ("length",), "2"),              # query length, the mask split with it
     ("gqa_bool_mask", ("heads", "length"), "2x2"),
     ("gqa_plain", ("batch", "heads"), "2x2"),
+    ("six_heads", ("heads",), "4"),              # uneven: heads 2, 2, 2, 0 (the last rank's kernels get no heads)
 ])
 def test_forced_attention_splits_train_like_one_device(model_file, tmp_path, function, splits, mesh):
     plan = tmp_path / "plan.json"
