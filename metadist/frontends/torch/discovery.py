@@ -202,7 +202,7 @@ def _check_indices(node: Node, shapes: Shapes, inputs: Sequence[np.ndarray]) -> 
 
 
 def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(array.shape))  # ascontiguousarray makes 0-d arrays 1-d
     return tensor.to(getattr(torch, dtype))
 
 
