@@ -91,6 +91,14 @@ class KernelWorker:
         """Stop the child process (a later request forks a new one)."""
         self._stop()
 
+    def report_crashes(self, since: dict[str, int]) -> None:
+        """One warning per op whose executions crashed or hung after the counts in ``since`` (a copy of :attr:`crashes`)."""
+        for target, count in self.crashes.items():
+            new = count - since.get(target, 0)
+            if new:
+                log.warning("%s: %d execution(s) on candidate pieces crashed or hung in the isolated worker and were "
+                            "refused (last: %s)", target, new, self.last_reason[target])
+
     def __enter__(self) -> "KernelWorker":
         return self
 
@@ -117,7 +125,7 @@ class KernelWorker:
         self._stop()
         reason = f"{call.target} crashed its discovery worker ({how})" + (f": {last_words}" if last_words else "")
         self._count(call, reason)
-        log.warning("%s on input shapes %s; the execution is refused and the worker restarted", reason, call.input_shapes)
+        log.info("%s on input shapes %s; the execution is refused and the worker restarted", reason, call.input_shapes)
         return ExecutionCrashed(reason)
 
     def _count(self, call: OpCall, reason: str) -> None:

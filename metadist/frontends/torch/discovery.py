@@ -70,15 +70,18 @@ class TorchExecutor:
     def session(self) -> Iterator[None]:
         """Single-threaded kernels while discovery runs (tiny ops; threads only add overhead), restored after.
 
-        The isolated worker, if one was started, stops when the session ends.
+        The isolated worker, if one was started, stops when the session ends; ops whose executions
+        crashed or hung in it during the session are logged as one warning each.
         """
         threads = torch.get_num_threads()
         if threads != 1:
             torch.set_num_threads(1)
+        crashes = dict(self.worker.crashes)
         try:
             yield
         finally:
             self.worker.close()
+            self.worker.report_crashes(crashes)
             if threads != 1:
                 torch.set_num_threads(threads)
 
