@@ -157,6 +157,25 @@ def test_the_worker_survives_an_abort_a_segfault_and_a_hang_and_restarts():
         assert worker.forks == 2
 
 
+def test_an_op_that_keeps_crashing_is_refused_until_the_session_ends(monkeypatch):
+    from metadist.shardcombine import isolation
+
+    monkeypatch.setattr(isolation, "MAX_CRASHES_PER_OP", 2)
+    call = _call("test.op.default", [(2, 3)])
+    x = np.ones((2, 3), dtype=np.float32)
+    with KernelWorker(_abort) as worker:
+        for _ in range(2):
+            with pytest.raises(ExecutionCrashed, match="SIGABRT"):
+                worker.run(call, [x])
+        with pytest.raises(ExecutionCrashed, match="refused without running: test.op.default crashed 2 times"):
+            worker.run(call, [x])
+        assert worker.forks == 2  # the refusal forked nothing
+        worker.close()
+        with pytest.raises(ExecutionCrashed, match="SIGABRT"):  # a new session runs it again
+            worker.run(call, [x])
+        assert worker.crashes == {"test.op.default": 3}
+
+
 # ---------------------------------------------------------------- discovery
 
 
