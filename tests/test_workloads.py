@@ -75,9 +75,10 @@ def test_every_builtin_builds_with_its_default_device_and_batch(name):
         vocab_size = workload.extras["config"]["vocab_size"]
         ids = workload.batch["input_ids"]
         assert ids.dtype == torch.long and 0 <= int(ids.min()) and int(ids.max()) < vocab_size
-        # Eager attention: attention is captured as plain matmul/softmax ops.
-        assert workload.model.config._attn_implementation == "eager"
-        assert workload.extras["config"]["_attn_implementation"] == "eager"
+        # The library's default attention (SDPA); eager attention on request.
+        assert workload.model.config._attn_implementation == "sdpa"
+        assert workload.extras["config"]["_attn_implementation"] == "sdpa"
+        assert builtin_workload(name, attn_implementation="eager").model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

@@ -24,6 +24,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from ..frontends.torch.execute import materialize, resolve_op
+from ..shardcombine.attention import is_attention
 from ..ir import Shard
 from ..lowering import COLLECTIVE_KINDS, CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep, Wait
 from .collectives import (
@@ -221,6 +222,8 @@ def _emit_local_op(graph: torch.fx.Graph, env: dict, op: LocalOp, program: RankP
             for shape, sharding in zip(op.random.output_global_shapes, op.random.output_shardings)
         )
         node = graph.call_function(draw_random, (op.target, op.random.shape_input, slices, len(op.outputs), *args), kwargs)
+    elif is_attention(op.target):
+        node = graph.call_function(attention_or_zeros, (op.target, *args), kwargs)
     else:
         node = graph.call_function(resolve_op(op.target), args, kwargs)
     node.meta["metadist_node"] = op.node
@@ -270,6 +273,25 @@ def draw_random(target: str, shape_input: tuple | None, slices: tuple, n_outputs
             tensor = local_slice(tensor, dim, coordinate, parts)
         local.append(tensor)
     return local[0] if n_outputs == 1 else tuple(local)
+
+
+def attention_or_zeros(target: str, *args: Any, **kwargs: Any) -> Any:
+    """An attention (SDPA) kernel on this rank's pieces; on an empty piece, zeros of its outputs' shapes.
+
+    Uneven shards leave some ranks no heads, or no query or key positions, and the CPU kernels
+    divide by zero there (SIGFPE). Zeros are what the op computes on such a piece: its outputs are
+    empty, or partial sums over no rows (the key/value gradients of a query-length piece, the query
+    gradient of a key-length piece). Shapes and dtypes come from the op's meta kernel.
+    """
+    op = resolve_op(target)
+    tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+    if all(tensor.numel() for tensor in tensors):
+        return op(*args, **kwargs)
+    device = tensors[0].device
+    on_meta = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
+    shapes = op(*(on_meta(value) for value in args), **{key: on_meta(value) for key, value in kwargs.items()})
+    return tuple(torch.zeros(out.shape, dtype=out.dtype, device=device) if isinstance(out, torch.Tensor) else out
+                 for out in shapes)
 
 
 def _identifier(name: str) -> str:

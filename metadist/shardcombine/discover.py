@@ -25,6 +25,12 @@ For one op call, :func:`discover`
    (``max``/``min``), passes through if the outputs on the parts reduce to the
    whole output.
 
+The attention (SDPA) family (:mod:`.attention`) gets stand-in shapes that keep its meaning, a
+proportional candidate for grouped-query heads, and candidates whose pieces are not valid
+attention shapes are dropped before any execution; its GPU-only kernels take the CPU kernel's
+batch and heads factors by equivalence. An executor may run kernels in an isolated worker
+(:mod:`.isolation`): a crash or hang there refuses that execution like any other error.
+
 Soundness comes first: a wrong rule silently corrupts training, a missing factor
 only costs speed.
 """

@@ -33,7 +33,8 @@ __all__ = ["ExecutionCrashed", "KernelWorker"]
 log = logging.getLogger(__name__)
 
 MAX_CRASHES_PER_OP = 64
-"""After this many crashes of one op, its further executions are refused without running (said in the reason)."""
+"""After this many crashes of one op until :meth:`KernelWorker.close`, its further executions are refused
+without running (said in the reason)."""
 
 
 class ExecutionCrashed(ExecutionRefused):
@@ -44,8 +45,9 @@ class KernelWorker:
     """Runs ``function(call, inputs)`` in a forked child process, one request at a time.
 
     ``setup`` runs once in each fresh child (e.g. single-threaded kernels). ``timeout_s`` bounds
-    one execution; an op that timed out once is refused from then on (a hang costs the timeout
-    once, not once per candidate). Use :meth:`close` (or ``with``) to stop the child.
+    one execution; an op that timed out once is refused until :meth:`close` (a hang costs the
+    timeout once per discovery session, not once per candidate), and so is an op that crashed
+    :data:`MAX_CRASHES_PER_OP` times. Use :meth:`close` (or ``with``) to stop the child.
     """
 
     def __init__(self, function: Callable[[OpCall, list], list], *, timeout_s: float = 60.0,
@@ -57,8 +59,11 @@ class KernelWorker:
         """Op target -> how many executions of it crashed or hung."""
         self.last_reason: dict[str, str] = {}
         """Op target -> the reason of its latest crash."""
+        self.forks = 0
+        """How many worker processes were started (the first request, and one after each crash)."""
         self._child: _Child | None = None
         self._hung: dict[str, str] = {}
+        self._session_crashes: dict[str, int] = {}
         self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------- requests
@@ -86,8 +91,18 @@ class KernelWorker:
         return _unpack(reply, call)
 
     def close(self) -> None:
-        """Stop the child process (a later request forks a new one)."""
+        """Stop the child process (a later request forks a new one) and forget which ops were refused."""
         self._stop()
+        self._hung.clear()
+        self._session_crashes.clear()
+
+    def report_crashes(self, since: dict[str, int]) -> None:
+        """One warning per op whose executions crashed or hung after the counts in ``since`` (a copy of :attr:`crashes`)."""
+        for target, count in self.crashes.items():
+            new = count - since.get(target, 0)
+            if new:
+                log.warning("%s: %d execution(s) on candidate pieces crashed or hung in the isolated worker and were "
+                            "refused (last: %s)", target, new, self.last_reason[target])
 
     def __enter__(self) -> "KernelWorker":
         return self
@@ -99,6 +114,7 @@ class KernelWorker:
     def _start(self) -> Connection:
         if self._child is None:
             self._child = _Child.fork(self.function, self.setup)
+            self.forks += 1
             self._finalizer = weakref.finalize(self, self._child.terminate)
         return self._child.connection
 
@@ -114,18 +130,19 @@ class KernelWorker:
         self._stop()
         reason = f"{call.target} crashed its discovery worker ({how})" + (f": {last_words}" if last_words else "")
         self._count(call, reason)
-        log.warning("%s on input shapes %s; the execution is refused and the worker restarted", reason, call.input_shapes)
+        log.info("%s on input shapes %s; the execution is refused and the worker restarted", reason, call.input_shapes)
         return ExecutionCrashed(reason)
 
     def _count(self, call: OpCall, reason: str) -> None:
         self.crashes[call.target] = self.crashes.get(call.target, 0) + 1
+        self._session_crashes[call.target] = self._session_crashes.get(call.target, 0) + 1
         self.last_reason[call.target] = reason
 
     def _refused_before(self, call: OpCall) -> str | None:
         if call.target in self._hung:
             return f"refused without running: earlier, {self._hung[call.target]}"
-        if self.crashes.get(call.target, 0) >= MAX_CRASHES_PER_OP:
-            return (f"refused without running: {call.target} crashed {self.crashes[call.target]} times "
+        if self._session_crashes.get(call.target, 0) >= MAX_CRASHES_PER_OP:
+            return (f"refused without running: {call.target} crashed {self._session_crashes[call.target]} times "
                     f"(last: {self.last_reason[call.target]})")
         return None
 

@@ -1,8 +1,10 @@
 """Built-in workloads: well-known model shapes, random-initialised, nothing downloaded.
 
 Each built-in is a :class:`BuiltinSpec` (pure data: family, model config, default shapes). The
-transformer families are built from ``transformers`` config classes with eager attention (so
-attention is plain matmul/softmax ops) and their default dropout (so random ops are captured).
+transformer families are built from ``transformers`` config classes with the library's defaults:
+its default attention (``scaled_dot_product_attention``: the fused attention kernels, or, with
+attention dropout in training, its matmul/softmax/dropout form) and its default dropout (so random
+ops are captured). ``attn_implementation="eager"`` builds them with eager attention instead.
 
 Tiny models default to the CPU with real weights, seeded so that the same name gives the same
 weights every time. Everything else defaults to the ``meta`` device: parameters have shapes
@@ -184,18 +186,21 @@ def builtin_workload(
     batch_size: int | None = None,
     seq_len: int | None = None,
     optimizer: str = "adamw",
+    attn_implementation: str | None = None,
 ) -> Workload:
     """Build the built-in workload ``name`` (one of :data:`BUILTIN_NAMES`).
 
     ``device`` defaults to ``"cpu"`` for tiny models and ``"meta"`` for the others; on ``meta``
     the parameters have no storage. ``batch_size`` and ``seq_len`` override the defaults;
     ``optimizer`` is ``"adamw"``, ``"adam"`` or ``"sgd"``. The batch is always on the CPU.
+    ``attn_implementation`` is passed to the ``transformers`` config (``"eager"``, ``"sdpa"``...);
+    None keeps the library's default (SDPA).
     """
     spec = lookup_builtin(name)
     optimizer_factory = _optimizer_factory(optimizer)
     target = _resolve_device(spec, device)
     batch_size, seq_len = _resolve_shapes(spec, batch_size, seq_len)
-    model, config_summary = _build_model(spec, target, seq_len)
+    model, config_summary = _build_model(spec, target, seq_len, attn_implementation)
     batch = _make_batch(spec, batch_size, seq_len)
     loss_fn = classification_loss if spec.family in ("mlp", "cnn") else hf_loss
     shape = f"{batch_size} x {seq_len} tokens" if seq_len is not None else f"{batch_size} samples"
@@ -295,23 +300,24 @@ def _resolve_shapes(spec: BuiltinSpec, batch_size: int | None, seq_len: int | No
 # ---------------------------------------------------------------- models
 
 
-def _build_model(spec: BuiltinSpec, target: torch.device, seq_len: int | None) -> tuple[nn.Module, dict]:
+def _build_model(spec: BuiltinSpec, target: torch.device, seq_len: int | None,
+                 attn_implementation: str | None = None) -> tuple[nn.Module, dict]:
     """Construct the model: on meta without storage, otherwise seeded on the CPU, then moved."""
     if target.type == "meta":
         with torch.device("meta"):
-            model, summary = _construct(spec)
+            model, summary = _construct(spec, attn_implementation)
     else:
         # Seed a forked RNG, so the weights are reproducible and the caller's RNG is untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
-            model, summary = _construct(spec)
+            model, summary = _construct(spec, attn_implementation)
         if target.type != "cpu":
             model = model.to(target)
     model.train()
     return model, summary
 
 
-def _construct(spec: BuiltinSpec) -> tuple[nn.Module, dict]:
+def _construct(spec: BuiltinSpec, attn_implementation: str | None = None) -> tuple[nn.Module, dict]:
     if spec.family == "mlp":
         return MLP(**spec.config), dict(spec.config)
     if spec.family == "cnn":
@@ -319,8 +325,9 @@ def _construct(spec: BuiltinSpec) -> tuple[nn.Module, dict]:
     import transformers  # deferred: importing transformers takes seconds
 
     config_class, model_class, loss_type = _HF_FAMILIES[spec.family]
-    # Eager attention: attention is plain matmul/softmax ops. No KV cache: this is training.
-    config = getattr(transformers, config_class)(**spec.config, attn_implementation="eager", use_cache=False)
+    # The library's default attention unless asked otherwise. No KV cache: this is training.
+    attention = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    config = getattr(transformers, config_class)(**spec.config, **attention, use_cache=False)
     model = getattr(transformers, model_class)(config)
     if loss_type is not None:
         # transformers guesses the loss from the class name; GPT2LMHeadModel's name does not say it.

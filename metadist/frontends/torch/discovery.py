@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -68,15 +70,18 @@ class TorchExecutor:
     def session(self) -> Iterator[None]:
         """Single-threaded kernels while discovery runs (tiny ops; threads only add overhead), restored after.
 
-        The isolated worker, if one was started, stops when the session ends.
+        The isolated worker, if one was started, stops when the session ends; ops whose executions
+        crashed or hung in it during the session are logged as one warning each.
         """
         threads = torch.get_num_threads()
         if threads != 1:
             torch.set_num_threads(1)
+        crashes = dict(self.worker.crashes)
         try:
             yield
         finally:
             self.worker.close()
+            self.worker.report_crashes(crashes)
             if threads != 1:
                 torch.set_num_threads(threads)
 
@@ -95,6 +100,8 @@ class TorchExecutor:
             if error:
                 raise ExecutionRefused(error)
         if self.isolate and not runs_in_process(call.target):
+            if not call.target.startswith("aten."):
+                _import_dynamo()
             return self.worker.run(call, list(inputs))
         return _execute(call, inputs, self.device)
 
@@ -154,6 +161,13 @@ def _execute(call: OpCall, inputs: Sequence[np.ndarray], device: torch.device = 
     ]
 
 
+@functools.lru_cache(maxsize=None)
+def _import_dynamo() -> None:
+    """Import ``torch._dynamo`` here, once: a Python custom op imports it on its first call (seconds),
+    and a worker forked afterwards inherits it instead of importing it again after every crash."""
+    importlib.import_module("torch._dynamo")
+
+
 def _single_thread() -> None:
     """The worker's setup: one intra-op thread (a forked child must not enter the parent's OpenMP pool)."""
     torch.set_num_threads(1)
@@ -191,7 +205,7 @@ def _check_indices(node: Node, shapes: Shapes, inputs: Sequence[np.ndarray]) -> 
 
 
 def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(array.shape))  # ascontiguousarray makes 0-d arrays 1-d
     return tensor.to(getattr(torch, dtype))
 
 
