@@ -23,6 +23,7 @@ _LAZY = {
     "CompileOptions": ("metadist.api", "CompileOptions"),
     "Plan": ("metadist.ir.plan", "Plan"),
     "materialize": ("metadist.frontends.torch.materialize", "materialize"),
+    "Checkpointer": ("metadist.runtime.checkpointer", "Checkpointer"),
 }
 
 

@@ -101,6 +101,10 @@ def hand_rule(graph: Graph, node):
         return parse_rule(f"{letters}->{letters}{passes}")
     if target in ("aten.gelu_backward.default", "aten.add.Tensor") and len(set(ranks)) == 1 and len(ranks) == 2:
         return parse_rule(f"{letters},{letters}->{letters}")
+    if target == "aten.mul.Tensor" and len(ranks) == 2 and ranks[1] == 0:  # by a live hyperparameter
+        return parse_rule(f"{letters},->{letters} | pass 0:sum")
+    if target == "aten.addcmul.default" and len(ranks) == 3 and ranks[0] == ranks[1] and ranks[2] == 0:
+        return parse_rule(f"{letters},{letters},->{letters}")  # a.add(b, alpha=hyperparameter)
     return None
 
 

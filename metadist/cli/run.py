@@ -62,6 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run every collective to completion where it stands (default: issue early, wait late)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="cap of one coalesced collective in MiB (default 25; 0 issues one collective per value)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save checkpoints in this folder and resume from its newest complete one")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="save a checkpoint every N steps (and after the last; default: after the last only)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole group up to N times when a rank dies or hangs past --timeout-s; with "
+                             "--checkpoint-dir it resumes from the newest complete checkpoint")
     add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
 
@@ -105,6 +112,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         command.append("--no-overlap")
     if getattr(args, "init_seed", 0):
         command += ["--init-seed", str(args.init_seed)]
+    if getattr(args, "checkpoint_dir", None):
+        command += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
+    if getattr(args, "checkpoint_every", 0):
+        command += ["--checkpoint-every", str(args.checkpoint_every)]
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command
@@ -179,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.bucket_cap_mb is not None and args.bucket_cap_mb < 0:
         raise UsageError(f"--bucket-cap-mb must be 0 (no coalescing) or more, got {args.bucket_cap_mb}")
+    if args.checkpoint_every < 0 or args.max_restarts < 0:
+        raise UsageError("--checkpoint-every and --max-restarts take 0 or more")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir (where to save)")
+    if args.max_restarts and not args.checkpoint_dir:
+        print("metadist run: note: --max-restarts without --checkpoint-dir restarts from the first step", file=sys.stderr)
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
     if mesh.size != args.nproc:
         raise UsageError(
@@ -186,8 +203,12 @@ def run(args: argparse.Namespace) -> int:
             f"pass --nproc {mesh.size} or a mesh of {args.nproc} devices"
         )
     outcome = launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)),
-                                            nproc=args.nproc, log_dir=log_dir(args), name=args.model), "metadist run")
+                                            nproc=args.nproc, log_dir=log_dir(args), name=args.model,
+                                            max_restarts=args.max_restarts), "metadist run")
     if outcome.ok:
+        if outcome.restarts:
+            print(f"the group was restarted {outcome.restarts} time(s) and finished; each attempt's logs are in "
+                  f"{outcome.run_folder}")
         print(f"logs of every rank: {outcome.run_folder}")
     return outcome.exit_status()
 

@@ -52,6 +52,8 @@ class LocalLaunch:
     """A short name for the run's folder (the model)."""
     show_rank0_stdout: bool = True
     """Rank 0's standard output stays on the terminal; False: it goes to its log like everything else."""
+    max_restarts: int = 0
+    """Times torchelastic restarts the whole group after a rank fails (each attempt logs in ``attempt_N``)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -101,6 +103,8 @@ class LaunchOutcome:
 
     run_folder: Path
     failures: tuple[RankFailure, ...]
+    restarts: int = 0
+    """Times the group was restarted (its last attempt is the one that succeeded or whose failures these are)."""
 
     @property
     def ok(self) -> bool:
@@ -144,7 +148,7 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
         redirects[0] = Std.ERR
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=launch.nproc, run_id="ranks", role="rank",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts, monitor_interval=0.1,
         start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
     )
     # as torchrun does: one OpenMP thread per rank unless the user chose otherwise
@@ -155,10 +159,15 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
         except ChildFailedError as err:
             failures = tuple(_rank_failure(run_folder, rank, failure.exitcode)
                              for rank, failure in sorted(err.failures.items()))
-            return LaunchOutcome(run_folder, failures)
+            return LaunchOutcome(run_folder, failures, _restarts(run_folder))
         except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
             raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
-    return LaunchOutcome(run_folder, ())
+    return LaunchOutcome(run_folder, (), _restarts(run_folder))
+
+
+def _restarts(run_folder: Path) -> int:
+    """Attempts torchelastic made beyond the first (one ``attempt_N`` folder each)."""
+    return max(len(list(run_folder.glob("ranks_*/attempt_*"))) - 1, 0)
 
 
 def _new_run_folder(log_dir: Path, name: str) -> Path:
@@ -180,11 +189,11 @@ def prune_runs(log_dir: Path, keep: int = KEEP_RUNS) -> None:
 
 
 def rank_folder(run_folder: Path, rank: int) -> Path:
-    """Torchelastic's folder of ``rank``'s logs: ``RUN/ranks_*/attempt_0/RANK``."""
-    found = sorted(run_folder.glob(f"ranks_*/attempt_0/{rank}"))
-    if len(found) != 1:
-        raise FileNotFoundError(f"expected one log folder of rank {rank} under {run_folder}, found {len(found)}")
-    return found[0]
+    """Torchelastic's folder of ``rank``'s logs in the last attempt: ``RUN/ranks_*/attempt_N/RANK``."""
+    found = sorted(run_folder.glob(f"ranks_*/attempt_*/{rank}"), key=lambda path: int(path.parent.name.split("_")[1]))
+    if not found:
+        raise FileNotFoundError(f"no log folder of rank {rank} under {run_folder}")
+    return found[-1]
 
 
 def _rank_failure(run_folder: Path, rank: int, exitcode: int) -> RankFailure:

@@ -38,7 +38,7 @@ from .graph_module import CheckingInterpreter, build_rank_module
 from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
 from .outside import enable_outside_forward
 from .start_state import (
-    BroadcastReport, broadcast_start_state, check_same_batch, check_same_structure, gather_batch_dim0,
+    BroadcastReport, broadcast_rng_state, broadcast_start_state, check_same_batch, check_same_structure, gather_batch_dim0,
 )
 
 __all__ = ["BATCH_MODES", "CompiledStep", "shard_full_tensor"]
@@ -112,6 +112,7 @@ class CompiledStep:
         self._constants: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] = {}
         self._batch_checked = False
+        self._draws_random = any(node.op.is_random for node in torch_step.graph.nodes)
         self.broadcast: BroadcastReport | None = None
         """What placing the state broadcast (None until the state is placed)."""
 
@@ -126,6 +127,8 @@ class CompiledStep:
                 "(metadist.compile does so by itself)"
             )
         inputs = self._inputs(optimizer, batch)
+        if self._draws_random:
+            broadcast_rng_state(self.device)  # every rank draws as rank 0 (see broadcast_rng_state)
         outputs = CheckingInterpreter(self.module).run(*inputs) if self.check_shapes else self._forward(*inputs)
         result = self._store(outputs)
         if optimizer is not None:

@@ -62,6 +62,10 @@ class WorkerConfig:
     """Cap of a coalesced collective (None: the default, 0: no coalescing)."""
     overlap: bool = True
     """Issue each collective early and wait for it right before its first reader (False: wait at once)."""
+    checkpoint_dir: str | None = None
+    """Save checkpoints here and resume from the newest complete one (a restarted group continues from it)."""
+    checkpoint_every: int = 0
+    """Save every this many steps (and after the last); 0 with a checkpoint folder: only after the last."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -82,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--init-seed", type=int, default=0)
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -94,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         cluster=args.cluster, check_shapes=args.check_shapes,
         compile_backend=args.compile_backend, device=args.device, init_seed=args.init_seed,
         bucket_cap_bytes=bytes_from_mib(args.bucket_cap_mb),
-        overlap=not args.no_overlap,
+        overlap=not args.no_overlap, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
     )
 
 
@@ -137,13 +143,21 @@ def run_worker(config: WorkerConfig) -> int:
     reference = _reference(config, workload, train_step) if config.check else None
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
+    compiled.prepare(workload.model, optimizer, workload.batch)
+    checkpointer, start = _resume(config, workload.model, optimizer, reporter)
+    if start and reference is not None:
+        reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
+        reference = None
     losses = []
-    for step in range(config.steps):
+    for step in range(start, config.steps):
         enter(f"step {step}", quiet=True)
         started = time.perf_counter()
         loss = compiled(workload.model, optimizer, workload.batch)
         losses.append(float(loss))
         reporter.step(step, losses[-1], time.perf_counter() - started)
+        if checkpointer is not None and ((step + 1) % checkpointer.every == 0 or step + 1 == config.steps):
+            checkpointer.save(step + 1, workload.model, optimizer)
+            reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
     enter("report", quiet=True)
     reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), config.steps)
     reporter.solver_estimate(plan, compiled.comm_records(), config.steps)
@@ -154,6 +168,25 @@ def run_worker(config: WorkerConfig) -> int:
         reporter.check(report)
         report.raise_if_failed()
     return 0
+
+
+def _resume(config: WorkerConfig, model, optimizer, reporter):
+    """The checkpointer of ``--checkpoint-dir`` and the step to start from (its newest complete checkpoint, or 0)."""
+    if config.checkpoint_dir is None:
+        return None, 0
+    from .checkpointer import Checkpointer
+
+    every = config.checkpoint_every if config.checkpoint_every > 0 else max(config.steps, 1)
+    checkpointer = Checkpointer(config.checkpoint_dir, every=every)
+    start = checkpointer.restore(model, optimizer)
+    if start:
+        reporter.note(f"resumed from {checkpointer.path(start)} (step {start} of {config.steps})")
+    if start > config.steps:
+        from .errors import RunInputError
+
+        raise RunInputError(f"the newest checkpoint in {config.checkpoint_dir!r} is at step {start}, past --steps "
+                            f"{config.steps}; raise --steps or use another --checkpoint-dir")
+    return checkpointer, start
 
 
 def _one_start(workload, optimizer, device_mesh):
