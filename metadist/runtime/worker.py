@@ -159,8 +159,8 @@ def run_worker(config: WorkerConfig) -> int:
             checkpointer.save(step + 1, workload.model, optimizer)
             reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
     enter("report", quiet=True)
-    reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), config.steps)
-    reporter.solver_estimate(plan, compiled.comm_records(), config.steps)
+    reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), len(losses))
+    reporter.solver_estimate(plan, compiled.comm_records(), len(losses))
     if reference is not None:
         from .check import compare_runs
 
