@@ -112,6 +112,8 @@ def broadcast_start_state(model: nn.Module, optimizer: Any, device: torch.device
     """Give every rank rank 0's parameters, buffers and optimizer state (collective; after :func:`check_same_structure`).
 
     Only real, unsharded tensors travel (DTensors are sharded state already; meta tensors have no values).
+    What travels is each tensor's storage, once, as bytes: tensors that share storage (views, tied weights,
+    expanded buffers whose elements overlap) stay consistent, and every dtype goes through one flat buffer.
     A model whose tensors have not changed since its last broadcast is not sent again.
     """
     started = time.perf_counter()
@@ -122,20 +124,39 @@ def broadcast_start_state(model: nn.Module, optimizer: Any, device: torch.device
     stamp = tuple((id(tensor), tensor._version) for tensor in tensors)
     if _SYNCED.get(model) == stamp:
         return BroadcastReport(0, 0, 0, 0.0)
-    calls = sent = 0
-    for bucket in _buckets(tensors):
-        flat = torch.cat([tensor.detach().reshape(-1).to(device) for tensor in bucket])
-        dist.broadcast(flat, src=0)
-        calls, sent = calls + 1, sent + flat.numel() * flat.element_size()
-        offset = 0
-        with torch.no_grad():
-            for tensor in bucket:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
-                offset += tensor.numel()
+    calls, sent = broadcast_storages(tensors, device)
     _SYNCED[model] = tuple((id(tensor), tensor._version) for tensor in tensors)
     report = BroadcastReport(len(tensors), sent, calls, time.perf_counter() - started)
     log.info("%s", report.describe())
     return report
+
+
+def broadcast_storages(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[int, int]:
+    """Overwrite the storage of every tensor with rank 0's, each storage once (collective; returns calls, bytes).
+
+    Storages travel as bytes, coalesced into flat buffers, so tensors that share storage (views, tied
+    weights, expanded tensors whose elements overlap) stay consistent and every dtype shares the buffers.
+    """
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages.setdefault((storage.device, storage.data_ptr()), storage)
+    calls = sent = 0
+    for bucket in _buckets([_as_bytes(storage) for storage in storages.values()]):
+        flat = torch.cat([raw.to(device) for raw in bucket])
+        dist.broadcast(flat, src=0)
+        calls, sent = calls + 1, sent + flat.numel()
+        offset = 0
+        with torch.no_grad():
+            for raw in bucket:
+                raw.copy_(flat[offset:offset + raw.numel()])
+                offset += raw.numel()
+    return calls, sent
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1-D uint8 tensor over the whole storage (writes go into it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

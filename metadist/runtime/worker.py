@@ -195,20 +195,16 @@ def _one_start(workload, optimizer, device_mesh):
     The model and optimizer as ``metadist.compile`` does (the compiled step then finds nothing left to send);
     the batch because a workload's batch is the global batch by contract.
     """
-    import torch.distributed as dist
     import torch.utils._pytree as pytree
 
-    from .start_state import broadcast_start_state, check_same_structure
+    from .start_state import broadcast_start_state, broadcast_storages, check_same_structure
     from .step import _device_of
 
     check_same_structure(workload.model, optimizer)
     report = broadcast_start_state(workload.model, optimizer, _device_of(device_mesh))
-    device = _device_of(device_mesh)
-    for leaf in pytree.tree_flatten(workload.batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-            moved = leaf.to(device).contiguous()
-            dist.broadcast(moved, src=0)
-            leaf.copy_(moved)
+    leaves = [leaf for leaf in pytree.tree_flatten(workload.batch)[0]
+              if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"]
+    broadcast_storages(leaves, _device_of(device_mesh))
     return report
 
 

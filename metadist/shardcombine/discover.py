@@ -253,7 +253,10 @@ def _prepare(call: OpCall, executor: OpExecutor, shapes, config: DiscoveryConfig
     for label, option in _shape_options(call, shapes, config):
         try:
             work = executor.adapt(call, option) if option != call.input_shapes else call
-            return work, [_draw(work, executor, seed, position, config) for position, seed in enumerate(config.seeds)]
+            draws = [_draw(work, executor, seed, position, config) for position, seed in enumerate(config.seeds)]
+            if _has_scalar_floats(work):  # one more draw with scalars of magnitude above 1 (see _condition)
+                draws.append(_draw(work, executor, config.seeds[0] + 1000, len(config.seeds), config))
+            return work, draws
         except NoRule:
             raise
         except Exception as err:  # the op cannot run on these shapes; try the next option
@@ -297,9 +300,19 @@ def _positive_retry(call: OpCall, executor: OpExecutor, inputs: tuple) -> tuple[
     raise NoRule("the op gives non-finite outputs on drawn inputs, even on positive ones")
 
 
+def _has_scalar_floats(call: OpCall) -> bool:
+    """Whether the op reads a tiny floating input (a step size, a weight: fewer than 4 elements)."""
+    return any(spec.dtype.startswith(("float", "bfloat")) and int(np.prod(spec.shape)) < 4 for spec in call.input_specs)
+
+
 def _condition(x: np.ndarray, position: int, config: DiscoveryConfig) -> np.ndarray:
+    """Tiny float inputs alternate sign by draw; the draw after the seeds' draws (ops with such inputs only)
+    gives them magnitudes in [1.5, 4.5]: a property that holds only for scalars below 1 (``lerp`` is monotone
+    in its start only while its weight is below 1) must not pass as a rule."""
     if x.dtype.kind != "f":
         return x
+    if x.size < 4 and position == len(config.seeds):
+        return (np.abs(x) * 3.0).astype(x.dtype)
     if x.size < 4:
         x = np.abs(x) * (1.0 if position % 2 == 0 else -1.0)
     if position == len(config.seeds) - 1 and config.small_scale != 1.0:
