@@ -228,7 +228,7 @@ def capture_step(
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), fake_mode, modules:
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -455,6 +455,18 @@ def _check_optimizer_params(group_of: dict[int, dict], param_names: dict[int, st
 
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """Fake tensors log a kernel's failure at ERROR level before raising it; the CaptureError says it once."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
 
 
 class _ModuleTracker:
