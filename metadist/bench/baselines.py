@@ -63,6 +63,9 @@ class Prepared:
     """Objects that hold the method's state (model, optimizer...), kept alive while it runs."""
     mesh_shape: tuple[int, ...]
     note: str = ""
+    build: Callable[[], None] | None = None
+    """The part of the build that allocates the method's state, when it is not done yet: run inside the
+    measured window, so the state figure counts the model copy the method is given and what it frees."""
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -175,6 +175,8 @@ def _profiled_run(method: str, workload: Workload, ctx: RankContext, prepared: P
         baseline = torch.cuda.memory_allocated() if ctx.device.type == "cuda" else 0
         with record_function("bench:build"):
             prepared = prepared or build_baseline(method, workload, ctx)
+            if prepared.build is not None:
+                prepared.build()
         for index in range(PROFILED_STEPS):
             last = index == PROFILED_STEPS - 1
             if last and ctx.device.type == "cuda":

@@ -89,13 +89,18 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
 
 
 def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[Prepared, dict[str, float], dict[str, Any]]:
-    """The compiled step of ``method``; its compile times; the cost model's estimate of its plan."""
+    """The compiled step of ``method``; its compile times; the cost model's estimate of its plan.
+
+    The plan is made from a planning copy of the model; the model the step trains is another copy made by
+    ``Prepared.build`` inside the measured window, as every baseline makes its own, so the memory figures
+    count it, the shards its first step puts in its place, and the full tensors that step frees.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     api = _api()
-    model = copy.deepcopy(workload.model).to(ctx.device)
-    optimizer = workload.optimizer(model.parameters())
-    planned = compile_plan_inputs(workload, ctx, api, model, optimizer)
+    planning_model = copy.deepcopy(workload.model).to(ctx.device)
+    planned = compile_plan_inputs(workload, ctx, api, planning_model, workload.optimizer(planning_model.parameters()))
+    del planning_model
     started = time.perf_counter()
     plan = api["plan_graph"](planned.torch_step.graph, planned.rules, planned.cluster, memory_budget_bytes=float("inf"),
                              solver=METADIST_METHODS[method])
@@ -107,14 +112,18 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     lowering_s = time.perf_counter() - started
     batch = workload.batch
     world = ctx.world_size
+    state: dict[str, Any] = {}
+
+    def build() -> None:
+        state["model"] = copy.deepcopy(workload.model).to(ctx.device)
+        state["optimizer"] = workload.optimizer(state["model"].parameters())
 
     def step() -> torch.Tensor:
-        return compiled(model, optimizer, batch).detach() / world
+        return compiled(state["model"], state["optimizer"], batch).detach() / world
 
     compile_s = {**planned.compile_s, "solve": solve_s, "lowering": lowering_s}
-    prepared = Prepared(method, step=step, holders=(model, optimizer, compiled, device_mesh),
-                        mesh_shape=tuple(ctx.mesh_shape),
-                        note="holds the user's full model and optimizer as well as its shards")
+    prepared = Prepared(method, step=step, holders=(state, compiled, device_mesh), mesh_shape=tuple(ctx.mesh_shape),
+                        build=build)
     return prepared, compile_s, _estimate_summary(plan.estimate)
 
 

@@ -284,8 +284,7 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
               "form one bucket made at the end of the backward pass and read at once by the optimizer, so little is "
               "hidden (compare *metadist-ilp* with *metadist-ilp-sync*), and on a loaded CPU gloo's threads compete "
               "with the compute for cores. MetaDist's plans also move more bytes than DDP's (the solver shards the "
-              "update, ZeRO-style, and gathers the result), and its runtime holds the user's full model next to its "
-              "shards. Its peak memory is set inside the bucketed collectives of the update: the packed buffer, "
+              "update, ZeRO-style, and gathers the result). Its peak memory is set inside the bucketed collectives of the update: the packed buffer, "
               "gloo's own copy (gloo reduce-scatters by all-reducing a clone of the whole input) and the result, "
               "next to the gathered parameters the plan returns; with overlap on, a bucket's members are freed once "
               "packed, before the collective runs.", ""]
@@ -341,9 +340,12 @@ def _method_notes(run: BenchRun) -> str:
         "*wire/rank*: what a ring algorithm sends for them. Gloo carries out reduce-scatter as an all-reduce.",
         "- *state/peak mem/rank*: on CPU, the running sum of the c10 allocator's allocation events (profiler, "
         "`profile_memory=True`) from the method's build on: held at the start of the measured step, and at its peak; "
-        "on GPU, `torch.cuda.max_memory_allocated`. MetaDist's rows also keep the user's full model and optimizer "
-        "objects alive (the runtime loads its shards from them), which its state figure includes only for what the "
-        "first step allocates (the optimizer states).",
+        "on GPU, `torch.cuda.max_memory_allocated`. Every method, MetaDist included, is counted the same way with "
+        "nothing left out: each builds from its own copy of the seeded source model made inside the measured window, "
+        "so the figures count that copy, what the method builds from it (DDP's buckets, FSDP2's or MetaDist's shards), "
+        "the full tensors it frees (FSDP2 and MetaDist keep only this rank's shards in the model), gradients, optimizer "
+        "states and what the steps allocate. Only the source model itself, the same for every method, and memory "
+        "outside the c10 allocator (gloo's own buffers, Python objects) are outside the figures.",
         "- ZeRO-2 is FSDP2 with `reshard_after_forward=False`, ZeRO-3 with `True` (one unit per transformer block "
         "and the root). Megatron TP splits attention and MLP projections column-then-row; embeddings, norms and the LM "
         "head stay replicated. GPT-2's `Conv1D` layers are converted to equal `nn.Linear` layers for TP. tp-dp is TP "
