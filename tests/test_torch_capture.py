@@ -186,6 +186,51 @@ def test_data_dependent_control_flow_is_a_clear_error():
     assert "test_torch_capture.py" in str(info.value)  # points at the user's line
 
 
+@pytest.mark.parametrize("draw", ["numpy", "python"])
+def test_host_random_numbers_in_the_step_are_a_clear_error(draw):
+    """numpy's or Python's global generator drawn while tracing would be frozen into constants: refused.
+
+    (Wav2Vec2's SpecAugment draws its time masks with np.random; captured, every step would mask the same
+    positions, silently.)"""
+    import random
+
+    import numpy as np
+
+    model, optimizer, batch = simple()
+
+    def step(model, optimizer, batch):
+        keep = np.random.rand(3) > 0.5 if draw == "numpy" else [random.random() > 0.5 for _ in range(3)]
+        loss = (model(batch["x"]) * torch.tensor(keep, dtype=torch.float32)[:, None]).sum()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    name = "numpy's `np.random`" if draw == "numpy" else "Python's `random`"
+    with pytest.raises(CaptureError, match=f"draws random numbers from {name}.*constants.*torch.rand"):
+        capture_step(step, model, optimizer, batch)
+    # a step that only reads them (seeded outside, passed in) captures
+    captured = capture_step(lambda m, o, b: m(b["x"]).sum(), model, optimizer, batch)
+    assert captured.graph.nodes
+
+
+def test_data_dependent_error_in_generated_code_points_at_the_caller():
+    """A data-dependent op under a frame of generated code (`<string>`) names the caller's line, not `<string>`."""
+    model, optimizer, batch = simple()
+    namespace = {}
+    exec("def decide(loss):\n    return bool(loss > 0)\n", namespace)  # a frame whose file is <string>
+
+    def step(model, optimizer, batch):
+        loss = model(batch["x"]).sum()
+        loss = loss * 2 if namespace["decide"](loss) else loss  # this line is named
+        loss.backward()
+        return loss
+
+    with pytest.raises(CaptureError, match="data-dependent") as info:
+        capture_step(step, model, optimizer, batch)
+    assert "<string>" not in str(info.value)
+    assert "test_torch_capture.py" in str(info.value) and "namespace[\"decide\"](loss)" in str(info.value)
+
+
 def test_batch_that_is_not_tensors_is_a_clear_error():
     model, optimizer, _ = simple()
     with pytest.raises(CaptureError, match=r"batch holds a int at batch\['n'\]"):

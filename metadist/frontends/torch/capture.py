@@ -226,7 +226,7 @@ def capture_step(
         aten.native_batch_norm.default: _native_batch_norm_as_legit,
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
-    with _user_errors(), fake_mode:
+    with _user_errors(), fake_mode, _host_random_unused():
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -482,8 +482,41 @@ def _user_errors():
         ) from err
 
 
+@contextlib.contextmanager
+def _host_random_unused():
+    """Refuse a step that draws from Python's or numpy's global random generator while being traced.
+
+    Their numbers are plain values to the tracer: captured, they would be constants, the same at
+    every step (a SpecAugment-style mask drawn with ``np.random`` would mask the same positions
+    forever). Torch's random ops are captured as ops and draw anew at every step.
+    """
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    yield
+    used = [name for name, changed in (
+        ("Python's `random`", random.getstate() != python_state),
+        ("numpy's `np.random`", not _same_numpy_state(np.random.get_state(), numpy_state)),
+    ) if changed]
+    if used:
+        raise CaptureError(
+            f"the training step draws random numbers from {' and '.join(used)} while it is traced: captured, they "
+            "would be constants, the same at every step. Draw them with torch (torch.rand, torch.randint, "
+            "torch.bernoulli: captured as random ops, drawn anew each step), or draw them outside the step and pass "
+            "them in the batch"
+        )
+
+
+def _same_numpy_state(one: tuple, other: tuple) -> bool:
+    import numpy as np
+
+    return all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(one, other))
+
+
 def _user_frame(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
     internal = ("/torch/", "/metadist/", "/contextlib.py", "/functools.py")
     for frame in reversed(frames):
         if not any(part in frame.filename for part in internal) and "site-packages" not in frame.filename:
