@@ -303,3 +303,61 @@ def test_real_layouts_follow_the_traced_layouts():
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )
     assert_same_as_eager(workload)
+
+
+def test_boolean_mask_assignment_is_captured_and_matches_eager():
+    """`x[mask] = value` (a parameter, a scalar): eagerly its backward gathers grad[mask], a data-dependent shape;
+    captured as a where, with the same loss, gradients and update as eager (Wav2Vec2 masks frames this way)."""
+
+    class Masker(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(6, 6)
+            self.fill = torch.nn.Parameter(torch.randn(6))  # like Wav2Vec2's masked_spec_embed
+
+        def forward(self, x, mask, pad):
+            hidden = self.proj(x)  # (B, T, 6)
+            hidden[mask] = self.fill  # masked positions take the learned vector
+            hidden[pad] = 0.0  # padded positions are zeroed
+            scores = hidden.sum(-1)  # (B, T)
+            scores[(scores > 0.5,)] = 0.5  # a mask computed in the step, as a 1-tuple index
+            return scores.pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Masker()
+    batch = {"x": torch.randn(3, 5, 6), "mask": torch.rand(3, 5) < 0.4, "pad": torch.rand(3, 5) < 0.2}
+    workload = metadist.Workload(model=model, batch=batch, loss_fn=lambda m, b: m(**b),
+                                 optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    captured = assert_same_as_eager_close(workload)
+    targets = {node.op.target for node in captured.graph.nodes}
+    assert not any("nonzero" in target or "index_put" in target for target in targets), targets
+
+
+def test_other_indexed_assignments_are_left_to_torch():
+    from metadist.frontends.torch.masked_assignment import as_where
+
+    x = torch.zeros(3, 4)
+    assert not as_where(x, torch.tensor([0, 2]), 1.0)  # integer index
+    assert not as_where(x, torch.ones(4, dtype=torch.bool), 1.0)  # a mask over a trailing dim
+    assert not as_where(x, torch.ones(3, dtype=torch.bool), torch.ones(2, 4))  # one value per masked row
+    assert not as_where(x, torch.ones(3, 4, dtype=torch.bool), "text")
+    assert torch.equal(x, torch.zeros(3, 4))
+    mask = torch.tensor([True, False, True])
+    assert as_where(x, mask, torch.arange(4.0))
+    assert torch.equal(x, torch.stack([torch.arange(4.0), torch.zeros(4), torch.arange(4.0)]))
+
+
+def assert_same_as_eager_close(workload, steps: int = 3):
+    """Eager steps and graph steps agree to rounding (a reduction may sum in another order)."""
+    step = workload.train_step()
+    eager_model, graph_model = workload.model, copy.deepcopy(workload.model)
+    eager_opt = workload.optimizer(eager_model.parameters())
+    graph_opt = workload.optimizer(graph_model.parameters())
+    captured = capture_step(step, graph_model, graph_opt, workload.batch)
+    for index in range(steps):
+        eager_loss = step(eager_model, eager_opt, workload.batch)
+        graph_loss = captured.run(graph_model, graph_opt, workload.batch)
+        torch.testing.assert_close(graph_loss, eager_loss, rtol=1e-6, atol=1e-7)
+    for (name, eager), graph in zip(eager_model.state_dict().items(), graph_model.state_dict().values()):
+        torch.testing.assert_close(graph, eager, rtol=1e-6, atol=1e-7, msg=name)
+    return captured

@@ -194,10 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         with _cache_folder(args.cache_dir) as cache_dir:
             runs = run_zoo(models, meshes, steps=args.steps, log_dir=cache_dir / "runs", timeout_s=args.timeout_s)
-        command = "python -m metadist.bench.zoo" + ("" if argv is None and len(sys.argv) == 1 else
-                                                    " " + " ".join(sys.argv[1:] if argv is None else argv))
-        if len(models) == len(ZOO) and len(meshes) == len(DEFAULT_MESHES):
-            facts = machine_facts(time.perf_counter() - started, command)
+        if set(models) == set(ZOO) and [mesh.shape for mesh in meshes] == [Mesh.parse(m).shape for m in DEFAULT_MESHES]:
+            facts = machine_facts(time.perf_counter() - started, f"python -m metadist.bench.zoo --steps {args.steps}")
         old = merge_results(old, runs)
         write_results(results_path, old, facts)
     page = write_page(args.docs / "models.md", old, facts)

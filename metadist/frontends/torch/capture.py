@@ -9,6 +9,8 @@ The recipe:
    ``loss.backward()`` records the backward ops. ``optimizer.step()`` is
    replaced, for the trace only, by the functional update of :mod:`.optim`,
    written back into the traced tensors in place; ``zero_grad()`` runs as is.
+   A boolean-mask assignment ``x[mask] = value`` is traced as a ``where``
+   (:mod:`.masked_assignment`: its backward has no static shape otherwise).
 3. Pass 2 re-traces that graph under functionalization: in-place ops become
    out-of-place ones, and every mutated input (updated parameters, optimizer
    states, batch-norm running statistics) ends in one ``copy_`` into it.
@@ -38,6 +40,7 @@ from torch.nn.utils import stateless
 
 from ...ir import Graph, Role
 from .errors import CaptureError
+from .masked_assignment import MaskedAssignmentAsWhere
 from .optim import (
     HYPERPARAMETER_DTYPE, OptimizerSpec, functional_update, hyperparameter_values, initial_state, optimizer_spec,
     optimizer_structure,
@@ -284,7 +287,7 @@ class _Pass1:
         mapping = {**traced_params, **by_kind["buffer"]}
         with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
             traced_params, states, hypers, kept_grads
-        ):
+        ), MaskedAssignmentAsWhere():
             result = self.train_step(self.model, self.optimizer, batch)
         leaves, self.output_tree = pytree.tree_flatten(result)
         outputs = []
