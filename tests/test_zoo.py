@@ -1,7 +1,8 @@
 """The model zoo: HuggingFace architectures with the library's defaults, trained under --check.
 
-Tiers: the definitions, the page and its results file are checked in the default tier (fast);
-a handful of models train on both meshes there too (``default_tier`` in the zoo, a few minutes);
+Tiers: the default tier checks the definitions (every model builds with the library's defaults
+and takes an eager step), the page against its results file, and trains two models under --check
+(``default_tier`` in the zoo: qwen2 on mesh (2, 2), t5 on mesh (2); about a minute in all);
 every model on every mesh runs with ``pytest --zoo tests/test_zoo.py`` (marker ``zoo``, about an
 hour on 2 CPUs), as ``python -m metadist.bench.zoo`` does when it writes docs/models.md.
 """

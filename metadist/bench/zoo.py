@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..ir import Mesh
 from ..runtime.summary import RunSummary
@@ -122,11 +123,15 @@ def public_text(text: str) -> str:
     return re.sub(r"(?:/[^\s:()'\"/]+)*/(?:site|dist)-packages/", "", text)
 
 
-def run_zoo(models: list[str], meshes: list[Mesh], *, steps: int, log_dir: Path, timeout_s: float) -> list[ZooRun]:
+def run_zoo(models: list[str], meshes: list[Mesh], *, steps: int, log_dir: Path, timeout_s: float,
+            on_run: Callable[[ZooRun], None] | None = None) -> list[ZooRun]:
+    """Each model on each mesh, in order; ``on_run`` sees every row as it is done."""
     runs = []
     for model in models:
         for mesh in meshes:
             runs.append(run_one(model, mesh, steps=steps, log_dir=log_dir, timeout_s=timeout_s))
+            if on_run is not None:
+                on_run(runs[-1])
     return runs
 
 
@@ -192,8 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         models = [lookup_zoo(name).name for name in args.models.split(",") if name] or list(ZOO)
         meshes = [Mesh.parse(text) for text in args.meshes.split(",") if text]
         started = time.perf_counter()
+        done: list[ZooRun] = []
+
+        def keep(run: ZooRun) -> None:  # rows are written as they finish: a stopped run keeps what it did
+            done.append(run)
+            write_results(results_path, merge_results(old, done), facts)
+
         with _cache_folder(args.cache_dir) as cache_dir:
-            runs = run_zoo(models, meshes, steps=args.steps, log_dir=cache_dir / "runs", timeout_s=args.timeout_s)
+            runs = run_zoo(models, meshes, steps=args.steps, log_dir=cache_dir / "runs", timeout_s=args.timeout_s,
+                           on_run=keep)
         if set(models) == set(ZOO) and [mesh.shape for mesh in meshes] == [Mesh.parse(m).shape for m in DEFAULT_MESHES]:
             facts = machine_facts(time.perf_counter() - started, f"python -m metadist.bench.zoo --steps {args.steps}")
         old = merge_results(old, runs)

@@ -39,8 +39,10 @@ NOTES = """## How to read the table
 - **compile s**: rank 0's capture, discovery, solve and lowering, per mesh. The rule database
   starts empty for the whole run, so a row's discovery covers only the signatures no earlier
   row met (rows in table order, each model on (2) first).
-- Run one row: `metadist run zoo:NAME --nproc 4 --mesh 2x2 --check`; the test suite runs a few
-  rows by default and all of them with `pytest --zoo tests/test_zoo.py`.
+- Run one row: `metadist run zoo:NAME --nproc 4 --mesh 2x2 --check`; rewrite some rows:
+  `python -m metadist.bench.zoo --models t5,vit --meshes 2`. The test suite trains two rows by
+  default (`zoo:qwen2` on (2, 2), `zoo:t5` on (2)) and every row with `pytest --zoo tests/test_zoo.py`
+  (marker `zoo`); `python -m metadist.bench.zoo` (`make zoo`) reruns every row and rewrites this page.
 """
 
 
