@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test setup bench zoo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 # regenerates docs/benchmarks.md and docs/img/*.png from the run's result files.
 bench: $(STAMP)
 	$(BIN)/python -m metadist.bench.suite --nproc 4
+
+# Every model of the zoo under --check on meshes (2) and (2, 2); regenerates docs/models.md.
+zoo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m metadist.bench.zoo
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

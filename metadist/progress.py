@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-__all__ = ["ConsoleListener", "PhaseFile", "PhaseListener", "PhaseState", "enter", "listening", "phase"]
+__all__ = ["ConsoleListener", "PhaseFile", "PhaseListener", "PhaseState", "PhaseTimes", "enter", "listening", "phase"]
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,22 @@ class PhaseFile:
         temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         temporary.write_text(text + "\n")
         os.replace(temporary, self.path)
+
+
+class PhaseTimes:
+    """Keeps each finished phase's own seconds by name (a name that recurs adds up), for run summaries."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def started(self, state: PhaseState, depth: int) -> None:
+        pass
+
+    def advanced(self, state: PhaseState, done: int, label: str) -> None:
+        pass
+
+    def ended(self, state: PhaseState, seconds: float, ok: bool) -> None:
+        self.seconds[state.name] = self.seconds.get(state.name, 0.0) + seconds
 
 
 def read_phase_file(path: str | os.PathLike) -> str | None:

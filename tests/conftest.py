@@ -24,8 +24,18 @@ def isolated_rule_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["METADIST_CACHE_DIR"] = previous
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--zoo", action="store_true", default=False,
+                     help="also run the whole model zoo under --check (tests marked zoo; about an hour on 2 CPUs)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests skip cleanly without a CUDA device."""
+    """Zoo tests run only with --zoo; GPU tests skip cleanly without a CUDA device."""
+    if not config.getoption("--zoo"):
+        skip_zoo = pytest.mark.skip(reason="the whole model zoo runs with --zoo (pytest --zoo tests/test_zoo.py)")
+        for item in items:
+            if item.get_closest_marker("zoo") is not None:
+                item.add_marker(skip_zoo)
     try:
         import torch
 

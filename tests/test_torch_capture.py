@@ -186,6 +186,51 @@ def test_data_dependent_control_flow_is_a_clear_error():
     assert "test_torch_capture.py" in str(info.value)  # points at the user's line
 
 
+@pytest.mark.parametrize("draw", ["numpy", "python"])
+def test_host_random_numbers_in_the_step_are_a_clear_error(draw):
+    """numpy's or Python's global generator drawn while tracing would be frozen into constants: refused.
+
+    (Wav2Vec2's SpecAugment draws its time masks with np.random; captured, every step would mask the same
+    positions, silently.)"""
+    import random
+
+    import numpy as np
+
+    model, optimizer, batch = simple()
+
+    def step(model, optimizer, batch):
+        keep = np.random.rand(3) > 0.5 if draw == "numpy" else [random.random() > 0.5 for _ in range(3)]
+        loss = (model(batch["x"]) * torch.tensor(keep, dtype=torch.float32)[:, None]).sum()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    name = "numpy's `np.random`" if draw == "numpy" else "Python's `random`"
+    with pytest.raises(CaptureError, match=f"draws random numbers from {name}.*constants.*torch.rand"):
+        capture_step(step, model, optimizer, batch)
+    # a step that only reads them (seeded outside, passed in) captures
+    captured = capture_step(lambda m, o, b: m(b["x"]).sum(), model, optimizer, batch)
+    assert captured.graph.nodes
+
+
+def test_data_dependent_error_in_generated_code_points_at_the_caller():
+    """A data-dependent op under a frame of generated code (`<string>`) names the caller's line, not `<string>`."""
+    model, optimizer, batch = simple()
+    namespace = {}
+    exec("def decide(loss):\n    return bool(loss > 0)\n", namespace)  # a frame whose file is <string>
+
+    def step(model, optimizer, batch):
+        loss = model(batch["x"]).sum()
+        loss = loss * 2 if namespace["decide"](loss) else loss  # this line is named
+        loss.backward()
+        return loss
+
+    with pytest.raises(CaptureError, match="data-dependent") as info:
+        capture_step(step, model, optimizer, batch)
+    assert "<string>" not in str(info.value)
+    assert "test_torch_capture.py" in str(info.value) and "namespace[\"decide\"](loss)" in str(info.value)
+
+
 def test_batch_that_is_not_tensors_is_a_clear_error():
     model, optimizer, _ = simple()
     with pytest.raises(CaptureError, match=r"batch holds a int at batch\['n'\]"):
@@ -258,6 +303,64 @@ def test_real_layouts_follow_the_traced_layouts():
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )
     assert_same_as_eager(workload)
+
+
+def test_boolean_mask_assignment_is_captured_and_matches_eager():
+    """`x[mask] = value` (a parameter, a scalar): eagerly its backward gathers grad[mask], a data-dependent shape;
+    captured as a where, with the same loss, gradients and update as eager (Wav2Vec2 masks frames this way)."""
+
+    class Masker(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(6, 6)
+            self.fill = torch.nn.Parameter(torch.randn(6))  # like Wav2Vec2's masked_spec_embed
+
+        def forward(self, x, mask, pad):
+            hidden = self.proj(x)  # (B, T, 6)
+            hidden[mask] = self.fill  # masked positions take the learned vector
+            hidden[pad] = 0.0  # padded positions are zeroed
+            scores = hidden.sum(-1)  # (B, T)
+            scores[(scores > 0.5,)] = 0.5  # a mask computed in the step, as a 1-tuple index
+            return scores.pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Masker()
+    batch = {"x": torch.randn(3, 5, 6), "mask": torch.rand(3, 5) < 0.4, "pad": torch.rand(3, 5) < 0.2}
+    workload = metadist.Workload(model=model, batch=batch, loss_fn=lambda m, b: m(**b),
+                                 optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    captured = assert_same_as_eager_close(workload)
+    targets = {node.op.target for node in captured.graph.nodes}
+    assert not any("nonzero" in target or "index_put" in target for target in targets), targets
+
+
+def test_other_indexed_assignments_are_left_to_torch():
+    from metadist.frontends.torch.masked_assignment import as_where
+
+    x = torch.zeros(3, 4)
+    assert not as_where(x, torch.tensor([0, 2]), 1.0)  # integer index
+    assert not as_where(x, torch.ones(4, dtype=torch.bool), 1.0)  # a mask over a trailing dim
+    assert not as_where(x, torch.ones(3, dtype=torch.bool), torch.ones(2, 4))  # one value per masked row
+    assert not as_where(x, torch.ones(3, 4, dtype=torch.bool), "text")
+    assert torch.equal(x, torch.zeros(3, 4))
+    mask = torch.tensor([True, False, True])
+    assert as_where(x, mask, torch.arange(4.0))
+    assert torch.equal(x, torch.stack([torch.arange(4.0), torch.zeros(4), torch.arange(4.0)]))
+
+
+def assert_same_as_eager_close(workload, steps: int = 3):
+    """Eager steps and graph steps agree to rounding (a reduction may sum in another order)."""
+    step = workload.train_step()
+    eager_model, graph_model = workload.model, copy.deepcopy(workload.model)
+    eager_opt = workload.optimizer(eager_model.parameters())
+    graph_opt = workload.optimizer(graph_model.parameters())
+    captured = capture_step(step, graph_model, graph_opt, workload.batch)
+    for index in range(steps):
+        eager_loss = step(eager_model, eager_opt, workload.batch)
+        graph_loss = captured.run(graph_model, graph_opt, workload.batch)
+        torch.testing.assert_close(graph_loss, eager_loss, rtol=1e-6, atol=1e-7)
+    for (name, eager), graph in zip(eager_model.state_dict().items(), graph_model.state_dict().values()):
+        torch.testing.assert_close(graph, eager, rtol=1e-6, atol=1e-7, msg=name)
+    return captured
 
 
 class _Branchy(torch.nn.Module):

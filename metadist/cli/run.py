@@ -69,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group up to N times when a rank dies or hangs past --timeout-s; with "
                              "--checkpoint-dir it resumes from the newest complete checkpoint")
+    parser.add_argument("--summary-json", default=None, type=Path,
+                        help="write the run's summary here as JSON: parameters, compile phase seconds, ops without a "
+                             "rule, losses and, with --check, the largest differences (what python -m metadist.bench.zoo tabulates)")
     add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
 
@@ -116,6 +119,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         command += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
     if getattr(args, "checkpoint_every", 0):
         command += ["--checkpoint-every", str(args.checkpoint_every)]
+    if getattr(args, "summary_json", None):
+        command += ["--summary-json", str(Path(args.summary_json).resolve())]
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command

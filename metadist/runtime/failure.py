@@ -109,10 +109,10 @@ class RankErrorHandler(ErrorHandler):
         os.replace(temporary, error_file)
 
 
-def run_rank(body: Callable[[], int], *, show_phases: bool) -> int:
+def run_rank(body: Callable[[], int], *, show_phases: bool, listeners: tuple = ()) -> int:
     """Run one rank's ``body`` under torchelastic's ``record``; returns its exit status.
 
-    Its phases go to its phase file and, with ``show_phases``, rank 0's to its stdout.
+    Its phases go to its phase file, to ``listeners`` and, with ``show_phases``, rank 0's to its stdout.
     A failure is recorded in the error file (:class:`RankErrorHandler`) and its traceback
     printed to stderr (the rank's log under a launcher); the status is then 2 for bad input
     (the user's to fix, e.g. a mesh that does not fit) and 1 otherwise, so that the
@@ -125,20 +125,21 @@ def run_rank(body: Callable[[], int], *, show_phases: bool) -> int:
 
     handler = RankErrorHandler()
     try:
-        return record(_with_listeners, error_handler=handler)(body, handler, show_phases)
+        return record(_with_listeners, error_handler=handler)(body, handler, show_phases, listeners)
     except Exception as err:  # recorded by the handler; the traceback goes to this rank's log
         print(f"rank {os.environ.get('RANK', '?')} failed:", file=sys.stderr)
         traceback.print_exc()
         return 2 if isinstance(err, user_error_types() + USER_ERRORS) else 1
 
 
-def _with_listeners(body: Callable[[], int], handler: RankErrorHandler, show_phases: bool) -> int:
+def _with_listeners(body: Callable[[], int], handler: RankErrorHandler, show_phases: bool, extra: tuple) -> int:
     from rich.console import Console
 
     from ..progress import ConsoleListener, PhaseFile, listening
     from .env import read_torchrun_env
 
     listeners: list = [PhaseFile(path) for path in [handler.phase_file()] if path is not None]
+    listeners.extend(extra)
     if show_phases and read_torchrun_env().rank == 0:
         listeners.append(ConsoleListener(Console()))
     with listening(*listeners):

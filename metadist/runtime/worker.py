@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import Mesh
+from ..progress import PhaseTimes
 from .build import bytes_from_mib
 from .env import read_torchrun_env
 from .setup import setup_device_mesh, teardown
@@ -66,6 +67,8 @@ class WorkerConfig:
     """Save checkpoints here and resume from the newest complete one (a restarted group continues from it)."""
     checkpoint_every: int = 0
     """Save every this many steps (and after the last); 0 with a checkpoint folder: only after the last."""
+    summary_path: str | None = None
+    """Rank 0 writes the run's :class:`metadist.runtime.summary.RunSummary` here as JSON (None: nowhere)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -88,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--summary-json", default=None)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -101,11 +105,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         compile_backend=args.compile_backend, device=args.device, init_seed=args.init_seed,
         bucket_cap_bytes=bytes_from_mib(args.bucket_cap_mb),
         overlap=not args.no_overlap, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        summary_path=args.summary_json,
     )
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """The recipe; returns the exit status."""
+def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> int:
+    """The recipe; returns the exit status. ``phase_times`` (a listener of this rank's phases) feeds the summary."""
     from ..frontends.torch import capture_step
     from ..ir.plan import Plan, graph_fingerprint
     from ..progress import enter
@@ -118,6 +123,7 @@ def run_worker(config: WorkerConfig) -> int:
     reporter = Reporter(enabled=env.rank == 0)
     enter("load")
     workload = _load_workload(config)
+    parameters = sum(parameter.numel() for parameter in workload.model.parameters())
     optimizer = workload.optimizer(workload.model.parameters())
     train_step = workload.train_step()
     start = _one_start(workload, optimizer, device_mesh)
@@ -165,13 +171,30 @@ def run_worker(config: WorkerConfig) -> int:
         return 0
     reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), len(losses))
     reporter.solver_estimate(plan, compiled.comm_records(), len(losses))
+    report = None
     if reference is not None:
         from .check import compare_runs
 
         report = compare_runs(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None)
         reporter.check(report)
+    if config.summary_path is not None and env.rank == 0:
+        _write_summary(config, workload, parameters, plan, torch_step.graph, losses, report, phase_times)
+    if report is not None:
         report.raise_if_failed()
     return 0
+
+
+def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph, losses, report, phase_times) -> None:
+    from pathlib import Path
+
+    from .summary import RunSummary, check_summary, unruled_ops
+
+    summary = RunSummary(
+        model=workload.name or config.model, mesh=config.mesh.shape, parameters=parameters, losses=tuple(losses),
+        phase_seconds=dict(phase_times.seconds) if phase_times is not None else {},
+        unruled=unruled_ops(plan, graph), check=None if report is None else check_summary(report),
+    )
+    Path(config.summary_path).write_text(summary.to_json())
 
 
 def _resume(config: WorkerConfig, model, optimizer, reporter):
@@ -215,9 +238,12 @@ def _one_start(workload, optimizer, device_mesh):
 def _load_workload(config: WorkerConfig):
     from ..workloads import builtin_workload, load_workload
     from ..workloads.builtin import BUILTINS
+    from ..workloads.zoo import PREFIX as ZOO_PREFIX, zoo_workload
 
     if config.model in BUILTINS:
         return builtin_workload(config.model, optimizer=config.optimizer, device=config.device)
+    if config.model.startswith(ZOO_PREFIX):
+        return zoo_workload(config.model, optimizer=config.optimizer, device=config.device)
     if config.device is not None:
         from .errors import RunInputError
 
@@ -242,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     from .failure import run_rank
 
+    phase_times = PhaseTimes()
     try:
-        return run_rank(lambda: run_worker(parse_args(argv)), show_phases=True)
+        return run_rank(lambda: run_worker(parse_args(argv), phase_times), show_phases=True, listeners=(phase_times,))
     finally:
         teardown()
 

@@ -197,7 +197,7 @@ def builtin_workload(
     None keeps the library's default (SDPA).
     """
     spec = lookup_builtin(name)
-    optimizer_factory = _optimizer_factory(optimizer)
+    make_optimizer = optimizer_factory(optimizer)
     target = _resolve_device(spec, device)
     batch_size, seq_len = _resolve_shapes(spec, batch_size, seq_len)
     model, config_summary = _build_model(spec, target, seq_len, attn_implementation)
@@ -210,7 +210,7 @@ def builtin_workload(
         model=model,
         batch=batch,
         loss_fn=loss_fn,
-        optimizer=optimizer_factory,
+        optimizer=make_optimizer,
         name=spec.name,
         description=f"{spec.description}; random init; batch {shape}; {optimizer}",
         extras={
@@ -246,7 +246,7 @@ def unknown_builtin_message(name: str) -> str:
 # ---------------------------------------------------------------- validation
 
 
-def _optimizer_factory(optimizer: str) -> Callable[[Any], torch.optim.Optimizer]:
+def optimizer_factory(optimizer: str) -> Callable[[Any], torch.optim.Optimizer]:
     factory = OPTIMIZERS.get(optimizer)
     if factory is None:
         raise WorkloadError(

@@ -18,6 +18,7 @@ from types import ModuleType
 
 from ..workload import Workload, WorkloadError
 from .builtin import BUILTINS, builtin_workload, unknown_builtin_message
+from .zoo import PREFIX as ZOO_PREFIX
 
 DEFAULT_FUNCTION = "workload"
 """The function a model file is asked for when the spec names none."""
@@ -27,6 +28,10 @@ def load_workload(spec: str) -> Workload:
     """The workload ``spec`` names: a built-in (see ``BUILTIN_NAMES``) or ``path/to/file.py[:function]``."""
     if spec in BUILTINS:
         return builtin_workload(spec)
+    if spec.startswith(ZOO_PREFIX):
+        from .zoo import zoo_workload
+
+        return zoo_workload(spec)
     if spec.startswith("jax-"):
         from .jax_builtin import jax_builtin_workload  # imports no jax until the workload is built
 

@@ -9,6 +9,8 @@ The recipe:
    ``loss.backward()`` records the backward ops. ``optimizer.step()`` is
    replaced, for the trace only, by the functional update of :mod:`.optim`,
    written back into the traced tensors in place; ``zero_grad()`` runs as is.
+   A boolean-mask assignment ``x[mask] = value`` is traced as a ``where``
+   (:mod:`.masked_assignment`: its backward has no static shape otherwise).
 3. Pass 2 re-traces that graph under functionalization: in-place ops become
    out-of-place ones, and every mutated input (updated parameters, optimizer
    states, batch-norm running statistics) ends in one ``copy_`` into it.
@@ -39,6 +41,7 @@ from torch.nn.utils import stateless
 
 from ...ir import Graph, Role
 from .errors import CaptureError
+from .masked_assignment import MaskedAssignmentAsWhere
 from .optim import (
     HYPERPARAMETER_DTYPE, OptimizerSpec, functional_update, hyperparameter_values, initial_state, optimizer_spec,
     optimizer_structure,
@@ -228,7 +231,7 @@ def capture_step(
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules:
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, _host_random_unused():
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -286,7 +289,7 @@ class _Pass1:
         mapping = {**traced_params, **by_kind["buffer"]}
         with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
             traced_params, states, hypers, kept_grads
-        ):
+        ), MaskedAssignmentAsWhere():
             result = self.train_step(self.model, self.optimizer, batch)
         leaves, self.output_tree = pytree.tree_flatten(result)
         outputs = []
@@ -536,12 +539,45 @@ def _user_errors(modules: "_ModuleTracker | None" = None):
         ) from err
 
 
+@contextlib.contextmanager
+def _host_random_unused():
+    """Refuse a step that draws from Python's or numpy's global random generator while being traced.
+
+    Their numbers are plain values to the tracer: captured, they would be constants, the same at
+    every step (a SpecAugment-style mask drawn with ``np.random`` would mask the same positions
+    forever). Torch's random ops are captured as ops and draw anew at every step.
+    """
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    yield
+    used = [name for name, changed in (
+        ("Python's `random`", random.getstate() != python_state),
+        ("numpy's `np.random`", not _same_numpy_state(np.random.get_state(), numpy_state)),
+    ) if changed]
+    if used:
+        raise CaptureError(
+            f"the training step draws random numbers from {' and '.join(used)} while it is traced: captured, they "
+            "would be constants, the same at every step. Draw them with torch (torch.rand, torch.randint, "
+            "torch.bernoulli: captured as random ops, drawn anew each step), or draw them outside the step and pass "
+            "them in the batch"
+        )
+
+
+def _same_numpy_state(one: tuple, other: tuple) -> bool:
+    import numpy as np
+
+    return all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(one, other))
+
+
 def _where(modules: "_ModuleTracker | None") -> str:
     return modules.where() if modules is not None else ""
 
 
 def _user_frame(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
     internal = ("/torch/", "/metadist/", "/contextlib.py", "/functools.py")
     for frame in reversed(frames):
         if not any(part in frame.filename for part in internal) and "site-packages" not in frame.filename:
