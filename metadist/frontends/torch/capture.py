@@ -39,6 +39,7 @@ from torch.nn.utils import stateless
 
 from ...ir import Graph, Role
 from .errors import CaptureError
+from .moe import static_experts, uncovered_routing_hint
 from .optim import (
     HYPERPARAMETER_DTYPE, OptimizerSpec, functional_update, hyperparameter_values, initial_state, optimizer_spec,
     optimizer_structure,
@@ -228,7 +229,7 @@ def capture_step(
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules:
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, static_experts(model) as routing:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -250,6 +251,7 @@ def capture_step(
         optimizer_structure=optimizer_structure(optimizer),
         left_grads=tuple(traced.left_grads),
         contiguous_values=contiguous_values,
+        stats={"expert_routing": tuple(routing)},
     )
 
 
@@ -500,6 +502,11 @@ class _ModuleTracker:
         module = self.model.get_submodule(name) if name else self.model
         return f" in module {name or '(the root)'!r} ({type(module).__name__})"
 
+    def routing_hint(self) -> str:
+        """What to change when the failing module is a mixture-of-experts layer MetaDist does not cover."""
+        name = self.failed_in if self.failed_in is not None else (self.stack[-1] if self.stack else None)
+        return "" if name is None else uncovered_routing_hint(self.model.get_submodule(name))
+
 
 @contextlib.contextmanager
 def _user_errors(modules: "_ModuleTracker | None" = None):
@@ -513,7 +520,7 @@ def _user_errors(modules: "_ModuleTracker | None" = None):
             f"the training step has data-dependent Python control flow or output shapes at {_user_frame(err)}"
             f"{_where(modules)}: a Python decision on a tensor's value ({type(err).__name__}: {err}). A captured step "
             "must run the same ops whatever the data: use torch.where instead of `if tensor:`, and keep "
-            ".item()/.tolist()/nonzero() out of the step"
+            ".item()/.tolist()/nonzero() out of the step" + (modules.routing_hint() if modules is not None else "")
         ) from err
     except UnsupportedFakeTensorException as err:
         raise CaptureError(f"the training step uses a tensor MetaDist cannot trace at {_user_frame(err)}"
@@ -528,7 +535,7 @@ def _user_errors(modules: "_ModuleTracker | None" = None):
         if type(err).__name__ == "GuardOnDataDependentSymNode":
             raise CaptureError(
                 f"the training step has data-dependent Python control flow at {_user_frame(err)}{_where(modules)}: "
-                f"{err}. Use torch.where instead of `if tensor:`"
+                f"{err}. Use torch.where instead of `if tensor:`" + (modules.routing_hint() if modules is not None else "")
             ) from err
         raise CaptureError(
             f"the training step failed while being traced, at {_user_frame(err)}{_where(modules)}: "
