@@ -9,8 +9,9 @@ from torch import nn
 from metadist.frontends.torch import capture_step
 from metadist.frontends.torch.errors import CaptureError
 from metadist.frontends.torch.moe import (
-    ExpertRouting, capacity_for, group_size, is_experts_module, static_experts, static_experts_forward,
+    capacity_for, group_size, is_experts_module, static_experts, static_experts_forward,
 )
+from metadist.ir import ExpertRouting, graph_from_json, graph_to_json
 from metadist.workloads import builtin_workload
 
 MOE_BUILTINS = ("mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny")
@@ -102,7 +103,7 @@ def capture(workload):
 def test_moe_step_is_captured_with_static_dispatch_and_the_experts_dim_in_bmm():
     workload = builtin_workload("deepseek-v3-tiny")
     step = capture(workload)
-    routing = step.stats["expert_routing"]
+    routing = step.graph.routing  # MetaIR states the static dispatch
     assert [record.module for record in routing] == ["model.layers.1.mlp.experts"]  # layer 0 is dense
     assert routing[0].dropless and (routing[0].tokens, routing[0].groups) == (64, 4)
     targets = {node.op.target for node in step.graph.nodes}
@@ -110,6 +111,8 @@ def test_moe_step_is_captured_with_static_dispatch_and_the_experts_dim_in_bmm():
     experts = [node for node in step.graph.nodes if node.op.target == "aten.bmm.default"
                and step.graph.value(node.input_names[1]).spec.shape[0] == 4]  # [E, ...] expert weights
     assert experts, "the experts run as bmm over the experts dim"
+    assert graph_from_json(graph_to_json(step.graph)).routing == routing
+    assert "routing model.layers.1.mlp.experts: 4 experts, top-2, 64 tokens in 4 groups of 16, dropless" in step.graph.to_text()
     experts_module = workload.model.model.layers[1].mlp.experts
     assert "forward" not in experts_module.__dict__, "the library's forward is restored after capture"
 

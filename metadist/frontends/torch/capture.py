@@ -19,6 +19,7 @@ The recipe:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import traceback
@@ -239,6 +240,8 @@ def capture_step(
 
     output_roles = traced.output_roles()
     graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
+    if routing:
+        graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
@@ -251,7 +254,6 @@ def capture_step(
         optimizer_structure=optimizer_structure(optimizer),
         left_grads=tuple(traced.left_grads),
         contiguous_values=contiguous_values,
-        stats={"expert_routing": tuple(routing)},
     )
 
 

@@ -26,8 +26,9 @@ output and gradients, against the library's own ``grouped_mm`` path. With a capa
 (``capacity_factor``: ``C = ceil(capacity_factor * k * S / E)``), a token whose position at an
 expert is ``C`` or more is dropped **for that expert only**: its other picks still count, and
 its output lacks that expert's share (as GShard and Switch do). That changes the model's
-mathematics; MetaDist states it in the capture's :class:`ExpertRouting` records and counts
-nothing silently: the records say how many slots each layer has.
+mathematics; MetaIR states it: the captured graph carries one
+:class:`~metadist.ir.routing.ExpertRouting` per experts call (``Graph.routing``), with its groups,
+slots and whether it is dropless.
 
 The experts dim ``E`` is an explicit batch dim of the expert ``bmm``s, so ShardCombine finds
 that it can be split: sharding it across a mesh axis is expert parallelism, and moving the
@@ -42,11 +43,11 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from ...ir.routing import ExpertRouting
 from .errors import CaptureError
 
 __all__ = [
@@ -63,36 +64,6 @@ MIN_GROUP_TOKENS = 16
 """Tokens per dispatch group are the smallest divisor of the token count that is at least this
 (or all tokens): many groups keep the dispatch matrices small (``T * E * C`` elements) and let
 the group dim split across the mesh, as the token dim does."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertRouting:
-    """How one experts layer was captured: its static dispatch, stated."""
-
-    module: str
-    """The experts module's qualified name in the model."""
-    num_experts: int
-    """``E``: experts of the layer."""
-    top_k: int
-    """``k``: experts each token is routed to."""
-    tokens: int
-    """``T``: tokens the layer sees per step."""
-    groups: int
-    """``G``: dispatch groups (``T = G * S``)."""
-    group_tokens: int
-    """``S``: tokens per group."""
-    capacity: int
-    """``C``: slots per expert and group; ``C == S`` is dropless."""
-
-    @property
-    def dropless(self) -> bool:
-        """No token can be dropped: the result equals the library's (fp32 rounding aside)."""
-        return self.capacity >= self.group_tokens
-
-    def describe(self) -> str:
-        mode = "dropless" if self.dropless else f"capacity {self.capacity} of {self.group_tokens} (tokens past it dropped)"
-        return (f"{self.module}: {self.num_experts} experts, top-{self.top_k}, {self.tokens} tokens in "
-                f"{self.groups} groups of {self.group_tokens}, {mode}")
 
 
 def group_size(tokens: int) -> int:
