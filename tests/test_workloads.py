@@ -15,7 +15,7 @@ import torch
 from metadist.workload import Workload, WorkloadError
 from metadist.workloads import BUILTIN_NAMES, builtin_workload, load_workload
 
-MOE_TINY = ("mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny")
+MOE_TINY = ("mixtral-tiny", "mixtral-mini", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny")
 TINY = ("mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny", *MOE_TINY)
 LARGE = tuple(name for name in BUILTIN_NAMES if name not in TINY)
 
@@ -34,6 +34,7 @@ DEFAULT_BATCH_SHAPES = {
     "bert-tiny": {"input_ids": (4, 16), "attention_mask": (4, 16), "labels": (4, 16)},
     "bert-base": {"input_ids": (8, 512), "attention_mask": (8, 512), "labels": (8, 512)},
     **{name: {"input_ids": (4, 16), "labels": (4, 16)} for name in MOE_TINY},
+    "mixtral-mini": {"input_ids": (4, 32), "labels": (4, 32)},
 }
 
 # Published sizes (tied embeddings counted once), checked within 2%.

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..workload import Workload, WorkloadError
 from .models import MLP, SmallCNN
-from .moe import MOE_BUILTINS, MOE_FAMILIES, MOE_SUMMARY_KEYS
+from .moe import MOE_BUILTINS, MOE_FAMILIES, MOE_SEQ_LEN, MOE_SUMMARY_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ SPECS: tuple[BuiltinSpec, ...] = (
                     intermediate_size=3072, max_position_embeddings=512),
     ),
 ) + tuple(
-    BuiltinSpec(name=name, description=description, family=family, tiny=True, batch_size=4, seq_len=16, config=config)
+    BuiltinSpec(name=name, description=description, family=family, tiny=True, batch_size=4,
+                seq_len=MOE_SEQ_LEN.get(name, 16), config=config)
     for name, description, family, config in MOE_BUILTINS
 )
 
@@ -145,7 +146,8 @@ _HF_FAMILIES = {
     **MOE_FAMILIES,
 }
 
-_CAUSAL_FAMILIES = ("gpt2", "llama", *MOE_FAMILIES)
+CAUSAL_FAMILIES = ("gpt2", "llama", *MOE_FAMILIES)
+"""Families whose batch is a causal-LM batch (the model shifts the labels itself)."""
 
 # Config keys copied into ``Workload.extras["config"]``.
 _SUMMARY_KEYS = (
@@ -363,7 +365,7 @@ def _make_batch(spec: BuiltinSpec, batch_size: int, seq_len: int | None) -> dict
             "targets": torch.randint(0, config["num_classes"], (batch_size,), generator=generator),  # (B,)
         }
     input_ids = torch.randint(0, config["vocab_size"], (batch_size, seq_len), generator=generator)  # (B, T)
-    if spec.family in _CAUSAL_FAMILIES:
+    if spec.family in CAUSAL_FAMILIES:
         # Causal LM: the model shifts the labels itself.
         return {"input_ids": input_ids, "labels": input_ids.clone()}
     return _masked_lm_batch(input_ids, generator)

@@ -27,6 +27,10 @@ _ATTENTION = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_atte
 MOE_BUILTINS: tuple[tuple[str, str, str, dict], ...] = (
     ("mixtral-tiny", "Mixtral causal LM, tiny (2 layers, 64 wide, 4 experts, top-2)", "mixtral",
      dict(_ATTENTION, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)),
+    ("mixtral-mini",
+     "Mixtral causal LM, CPU-sized (2 layers, 128 wide, 8 experts of 512, top-2; expert weights dominate)",
+     "mixtral",
+     dict(_ATTENTION, hidden_size=128, intermediate_size=512, num_local_experts=8, num_experts_per_tok=2)),
     ("qwen2-moe-tiny", "Qwen2-MoE causal LM, tiny (2 layers, 64 wide, 4 experts, top-2, gated shared expert)",
      "qwen2_moe",
      dict(_ATTENTION, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128,
@@ -42,7 +46,11 @@ MOE_BUILTINS: tuple[tuple[str, str, str, dict], ...] = (
           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
           q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
 )
-"""(name, description, family, config) of each built-in MoE; batch 4 x 16 tokens."""
+"""(name, description, family, config) of each built-in MoE (real CPU weights); batch 4 x 16 tokens,
+4 x 32 for ``mixtral-mini`` (:data:`MOE_SEQ_LEN`)."""
+
+MOE_SEQ_LEN: dict[str, int] = {"mixtral-mini": 32}
+"""Sequence lengths other than 16."""
 
 MOE_SUMMARY_KEYS: tuple[str, ...] = (
     "num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
