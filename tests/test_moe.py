@@ -186,3 +186,18 @@ def test_the_ilp_chooses_expert_parallelism_where_it_wins(name, mesh, expert_par
         assert set(shardings.values()) == {("S(0)",)}, shardings
     else:
         assert ("S(0)",) not in set(shardings.values()), shardings
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("model,nproc,mesh,collective", [
+    ("mixtral-mini", 4, "4", "all_to_all"),  # the ILP's expert parallelism: tokens move by all-to-all
+    ("deepseek-v3-tiny", 4, "2x2", None),  # dense first layer, grouped routing, a shared expert
+])
+def test_moe_trains_distributed_and_matches_one_device(model, nproc, mesh, collective):
+    from test_run_matrix import assert_check_passed, run_metadist
+
+    result = run_metadist(model, "--nproc", str(nproc), "--mesh", mesh, "--steps", "3", "--check", "--timeout-s", "120")
+    assert_check_passed(result)
+    if collective is not None:
+        assert collective in result.stdout
