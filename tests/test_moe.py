@@ -50,6 +50,26 @@ def test_dropless_dispatch_equals_the_library_output_and_gradients(name):
         torch.testing.assert_close(got_grad, wanted_grad, rtol=1e-4, atol=1e-6, msg=leaf_name)
 
 
+def test_transposed_biased_interleaved_experts_equal_the_library_too():
+    """GPT-OSS experts: weights stored [E, in, out], biases, interleaved gate/up with its own clamped gating."""
+    import transformers
+
+    config = transformers.GptOssConfig(vocab_size=1000, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = transformers.GptOssForCausalLM(config).model.layers[0].mlp
+    with torch.no_grad():
+        for parameter in block.experts.parameters():  # the library initialises the biases to zero
+            parameter.normal_(0.0, 0.1)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    _, weights, index = block.router(x)
+    wanted = block.experts(x, index, weights)
+    got = static_experts_forward(block.experts, x, index, weights)
+    assert block.experts.is_transposed and block.experts.has_bias
+    torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6)
+
+
 def reference_with_capacity(experts: nn.Module, x, weights, index, group_tokens: int, capacity: int) -> torch.Tensor:
     """The stated drop rule, written as loops: within each group of ``group_tokens`` consecutive tokens,
     expert e takes the first ``capacity`` tokens routed to it (token order); later ones lose e's share only."""

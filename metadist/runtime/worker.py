@@ -133,6 +133,8 @@ def run_worker(config: WorkerConfig) -> int:
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
                           "parameters, buffers and optimizer state, not the gradients")
+    for record in torch_step.graph.routing:  # mixture of experts: what the captured graph computes, stated
+        reporter.note(f"expert routing {record.describe()}")
     options = StepOptions(plan=plan_source, memory_budget_bytes=config.memory_budget_bytes, cluster=config.cluster,
                           check_shapes=config.check_shapes, compile_backend=config.compile_backend, init_seed=config.init_seed,
                           bucket_cap_bytes=config.bucket_cap_bytes, overlap=config.overlap)
