@@ -53,6 +53,10 @@ class CompileOptions:
     The solver prices the same buckets."""
     init_seed: int = 0
     """A model on the meta device: the seed of its initialisation (each rank materialises only its shards)."""
+    expert_capacity_factor: float | None = None
+    """Mixture-of-experts layers (``transformers`` experts modules): each expert gets ``ceil(f * k * S / E)``
+    slots per group of ``S`` tokens and a token past them loses that expert's share; None (the default) is
+    dropless, the model's own result. The captured graph states it (``Graph.routing``)."""
     init_fn: Callable | None = None
     """A model on the meta device: ``init_fn(module)`` initialises a module's own tensors, instead of its
     ``reset_parameters()`` or HuggingFace's ``_init_weights`` (see ``metadist.materialize``)."""
@@ -72,6 +76,9 @@ class CompileOptions:
             raise ValueError(f"verify_batch={self.verify_batch!r}: choose 'first', 'always' or 'never'")
         if self.max_cached < 1:
             raise ValueError(f"max_cached must be at least 1, got {self.max_cached}")
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            raise ValueError(f"expert_capacity_factor={self.expert_capacity_factor!r}: give a positive factor, "
+                             "or None for dropless experts")
 
 
 class CompiledTrainStep:
@@ -198,7 +205,8 @@ class CompiledTrainStep:
         check_same_structure(model, optimizer)  # before planning: rank 0's plan must fit every rank's graph
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
-        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"))
+        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"),
+                                  expert_capacity_factor=self.options.expert_capacity_factor)
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,

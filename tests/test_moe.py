@@ -137,6 +137,32 @@ def test_moe_step_is_captured_with_static_dispatch_and_the_experts_dim_in_bmm():
     assert "forward" not in experts_module.__dict__, "the library's forward is restored after capture"
 
 
+def test_capacity_factor_is_captured_and_stated_in_the_graph():
+    workload = builtin_workload("qwen3-moe-tiny")
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, expert_capacity_factor=1.0)
+    assert [(record.group_tokens, record.capacity, record.dropless) for record in step.graph.routing] == [(16, 8, False)] * 2
+    assert "capacity 8 of 16 per expert and group (tokens past it dropped)" in step.graph.to_text()
+
+
+def test_capacity_factor_options_are_checked_and_passed_to_every_rank(capsys):
+    import argparse
+
+    from metadist.api import CompileOptions
+    from metadist.cli.main import main
+    from metadist.cli.run import worker_args
+
+    assert main(["run", "mixtral-tiny", "--nproc", "2", "--expert-capacity-factor", "0"]) == 2
+    assert "--expert-capacity-factor must be positive" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expert_capacity_factor=-1.0"):
+        CompileOptions(expert_capacity_factor=-1.0)
+    args = argparse.Namespace(model="mixtral-tiny", steps=3, plan="solver", optimizer="adamw", seed=0, timeout_s=120.0,
+                              mesh="", memory_gb=None, cluster=None, check=True, compile=None, check_shapes=False,
+                              expert_capacity_factor=1.25)
+    command = worker_args(args)
+    assert command[command.index("--expert-capacity-factor") + 1] == "1.25"
+
+
 class LoopExperts(nn.Module):
     """An MoE layer routing with data-dependent shapes (a Python loop over nonzero), which is not covered."""
 

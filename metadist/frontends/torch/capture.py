@@ -175,11 +175,14 @@ def capture_step(
     *,
     name: str = "step",
     keep_grads: bool = False,
+    expert_capacity_factor: float | None = None,
 ) -> TorchStep:
     """Capture ``train_step(model, optimizer, batch)``.
 
     ``keep_grads=True`` adds each parameter's gradient (as the optimizer saw
     it) to the outputs with role ``grad``, for checking runs against each other.
+    ``expert_capacity_factor`` bounds the slots of each ``transformers`` experts layer (see
+    :mod:`.moe`; None: dropless, the library's result); ``graph.routing`` states what was captured.
     Nothing of the user's model, optimizer or batch is changed.
     """
     started = time.perf_counter()
@@ -230,7 +233,7 @@ def capture_step(
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, static_experts(model) as routing:
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, static_experts(model, capacity_factor=expert_capacity_factor) as routing:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
