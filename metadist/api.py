@@ -321,13 +321,14 @@ def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - 
     return CompiledTrainStep(fn, settings)
 
 
-def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[Any, Any]:
+def capture_and_discover(workload: Any, rules_db: str | None = None, *,
+                         expert_capacity_factor: float | None = None) -> tuple[Any, Any]:
     """A workload's graph and its rules (the rule database at ``rules_db``, default the user cache, caches discovery).
 
     ``workload``: a :class:`metadist.Workload`, a JAX workload, a built-in name or a model file.
     PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*`` built-ins, or a
     model file returning a ``JaxWorkload``) from their jaxpr, with rules discovered by executing
-    the JAX primitives, into the same database.
+    the JAX primitives, into the same database. ``expert_capacity_factor``: see :class:`CompileOptions`.
     """
     from .frontends.jax.workload import JaxWorkload
     from .shardcombine.api import rules_from_database
@@ -348,7 +349,7 @@ def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[An
 
         optimizer = workload.optimizer(workload.model.parameters())
         graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
-                             name=workload.name or name or "step").graph
+                             name=workload.name or name or "step", expert_capacity_factor=expert_capacity_factor).graph
         executor = TorchExecutor()
     return graph, rules_from_database(graph, executor, rules_db)
 
@@ -361,13 +362,15 @@ def plan(
     memory_gb: float | None = None,
     solver: str = "ilp",
     rules_db: str | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> Plan:
-    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed."""
+    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed.
+    ``expert_capacity_factor``: see :class:`CompileOptions` (a plan is for the graph captured with it)."""
     from .cost.cluster import resolve_cluster
     from .solver import plan_graph
 
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh)))
-    graph, rules = capture_and_discover(workload, rules_db)
+    graph, rules = capture_and_discover(workload, rules_db, expert_capacity_factor=expert_capacity_factor)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
     return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
 

@@ -152,8 +152,10 @@ def test_capacity_factor_options_are_checked_and_passed_to_every_rank(capsys):
     from metadist.cli.main import main
     from metadist.cli.run import worker_args
 
-    assert main(["run", "mixtral-tiny", "--nproc", "2", "--expert-capacity-factor", "0"]) == 2
-    assert "--expert-capacity-factor must be positive" in capsys.readouterr().err
+    for command in ("run", "plan"):
+        assert main([command, "mixtral-tiny", "--nproc" if command == "run" else "--mesh", "2",
+                     "--expert-capacity-factor", "0"]) == 2
+        assert "--expert-capacity-factor must be positive" in capsys.readouterr().err
     with pytest.raises(ValueError, match="expert_capacity_factor=-1.0"):
         CompileOptions(expert_capacity_factor=-1.0)
     args = argparse.Namespace(model="mixtral-tiny", steps=3, plan="solver", optimizer="adamw", seed=0, timeout_s=120.0,
