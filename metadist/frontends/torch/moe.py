@@ -53,6 +53,7 @@ from .errors import CaptureError
 __all__ = [
     "ExpertRouting",
     "MIN_GROUP_TOKENS",
+    "capacity_for",
     "group_size",
     "is_experts_module",
     "static_experts",
