@@ -35,6 +35,7 @@ DEFAULT_BATCH_SHAPES = {
     "bert-base": {"input_ids": (8, 512), "attention_mask": (8, 512), "labels": (8, 512)},
     **{name: {"input_ids": (4, 16), "labels": (4, 16)} for name in MOE_TINY},
     "mixtral-mini": {"input_ids": (4, 32), "labels": (4, 32)},
+    "mixtral-8x7b": {"input_ids": (8, 2048), "labels": (8, 2048)},
 }
 
 # Published sizes (tied embeddings counted once), checked within 2%.
@@ -46,6 +47,7 @@ PUBLISHED_PARAMS = {
     "llama-1b": 1.236e9,
     "llama-7b": 6.738e9,
     "bert-base": 110e6,
+    "mixtral-8x7b": 46.7e9,
 }
 
 

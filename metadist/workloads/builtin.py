@@ -25,7 +25,7 @@ from torch import nn
 
 from ..workload import Workload, WorkloadError
 from .models import MLP, SmallCNN
-from .moe import MOE_BUILTINS, MOE_FAMILIES, MOE_SEQ_LEN, MOE_SUMMARY_KEYS
+from .moe import MOE_BUILTINS, MOE_FAMILIES, MOE_LARGE_BUILTINS, MOE_SEQ_LEN, MOE_SUMMARY_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,9 @@ SPECS: tuple[BuiltinSpec, ...] = (
     BuiltinSpec(name=name, description=description, family=family, tiny=True, batch_size=4,
                 seq_len=MOE_SEQ_LEN.get(name, 16), config=config)
     for name, description, family, config in MOE_BUILTINS
+) + tuple(
+    BuiltinSpec(name=name, description=description, family=family, tiny=False, batch_size=8, seq_len=2048, config=config)
+    for name, description, family, config in MOE_LARGE_BUILTINS
 )
 
 BUILTINS: dict[str, BuiltinSpec] = {spec.name: spec for spec in SPECS}

@@ -46,8 +46,16 @@ MOE_BUILTINS: tuple[tuple[str, str, str, dict], ...] = (
           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
           q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
 )
-"""(name, description, family, config) of each built-in MoE (real CPU weights); batch 4 x 16 tokens,
-4 x 32 for ``mixtral-mini`` (:data:`MOE_SEQ_LEN`)."""
+"""(name, description, family, config) of each tiny built-in MoE (real CPU weights); batch 4 x 16
+tokens, 4 x 32 for ``mixtral-mini`` (:data:`MOE_SEQ_LEN`)."""
+
+MOE_LARGE_BUILTINS: tuple[tuple[str, str, str, dict], ...] = (
+    ("mixtral-8x7b", "Mixtral 8x7B shapes (46.7B, 8 experts of 14336, top-2, GQA 32/8 heads)", "mixtral",
+     dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+          num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+          rms_norm_eps=1e-5, tie_word_embeddings=False)),
+)
+"""Published MoE shapes, built on the meta device (planning only); batch 8 x 2048 tokens."""
 
 MOE_SEQ_LEN: dict[str, int] = {"mixtral-mini": 32}
 """Sequence lengths other than 16."""
