@@ -233,7 +233,8 @@ def capture_step(
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, static_experts(model, capacity_factor=expert_capacity_factor) as routing:
+    experts = static_experts(model, capacity_factor=expert_capacity_factor)  # MoE layers with static shapes (.moe)
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, experts as routing:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
