@@ -53,6 +53,10 @@ class CompileOptions:
     The solver prices the same buckets."""
     init_seed: int = 0
     """A model on the meta device: the seed of its initialisation (each rank materialises only its shards)."""
+    expert_capacity_factor: float | None = None
+    """Mixture-of-experts layers (``transformers`` experts modules): each expert gets ``ceil(f * k * S / E)``
+    slots per group of ``S`` tokens and a token past them loses that expert's share; None (the default) is
+    dropless, the model's own result. The captured graph states it (``Graph.routing``)."""
     init_fn: Callable | None = None
     """A model on the meta device: ``init_fn(module)`` initialises a module's own tensors, instead of its
     ``reset_parameters()`` or HuggingFace's ``_init_weights`` (see ``metadist.materialize``)."""
@@ -72,6 +76,9 @@ class CompileOptions:
             raise ValueError(f"verify_batch={self.verify_batch!r}: choose 'first', 'always' or 'never'")
         if self.max_cached < 1:
             raise ValueError(f"max_cached must be at least 1, got {self.max_cached}")
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            raise ValueError(f"expert_capacity_factor={self.expert_capacity_factor!r}: give a positive factor, "
+                             "or None for dropless experts")
 
 
 class CompiledTrainStep:
@@ -198,7 +205,8 @@ class CompiledTrainStep:
         check_same_structure(model, optimizer)  # before planning: rank 0's plan must fit every rank's graph
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
-        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"))
+        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"),
+                                  expert_capacity_factor=self.options.expert_capacity_factor)
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
@@ -313,13 +321,14 @@ def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - 
     return CompiledTrainStep(fn, settings)
 
 
-def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[Any, Any]:
+def capture_and_discover(workload: Any, rules_db: str | None = None, *,
+                         expert_capacity_factor: float | None = None) -> tuple[Any, Any]:
     """A workload's graph and its rules (the rule database at ``rules_db``, default the user cache, caches discovery).
 
     ``workload``: a :class:`metadist.Workload`, a JAX workload, a built-in name or a model file.
     PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*`` built-ins, or a
     model file returning a ``JaxWorkload``) from their jaxpr, with rules discovered by executing
-    the JAX primitives, into the same database.
+    the JAX primitives, into the same database. ``expert_capacity_factor``: see :class:`CompileOptions`.
     """
     from .frontends.jax.workload import JaxWorkload
     from .shardcombine.api import rules_from_database
@@ -340,7 +349,7 @@ def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[An
 
         optimizer = workload.optimizer(workload.model.parameters())
         graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
-                             name=workload.name or name or "step").graph
+                             name=workload.name or name or "step", expert_capacity_factor=expert_capacity_factor).graph
         executor = TorchExecutor()
     return graph, rules_from_database(graph, executor, rules_db)
 
@@ -353,13 +362,15 @@ def plan(
     memory_gb: float | None = None,
     solver: str = "ilp",
     rules_db: str | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> Plan:
-    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed."""
+    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed.
+    ``expert_capacity_factor``: see :class:`CompileOptions` (a plan is for the graph captured with it)."""
     from .cost.cluster import resolve_cluster
     from .solver import plan_graph
 
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh)))
-    graph, rules = capture_and_discover(workload, rules_db)
+    graph, rules = capture_and_discover(workload, rules_db, expert_capacity_factor=expert_capacity_factor)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
     return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
 

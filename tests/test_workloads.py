@@ -15,7 +15,8 @@ import torch
 from metadist.workload import Workload, WorkloadError
 from metadist.workloads import BUILTIN_NAMES, builtin_workload, load_workload
 
-TINY = ("mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny")
+MOE_TINY = ("mixtral-tiny", "mixtral-mini", "qwen2-moe-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny")
+TINY = ("mlp", "cnn", "gpt2-tiny", "llama-tiny", "bert-tiny", *MOE_TINY)
 LARGE = tuple(name for name in BUILTIN_NAMES if name not in TINY)
 
 # name -> the default batch: {key: shape}
@@ -32,6 +33,9 @@ DEFAULT_BATCH_SHAPES = {
     "llama-7b": {"input_ids": (8, 2048), "labels": (8, 2048)},
     "bert-tiny": {"input_ids": (4, 16), "attention_mask": (4, 16), "labels": (4, 16)},
     "bert-base": {"input_ids": (8, 512), "attention_mask": (8, 512), "labels": (8, 512)},
+    **{name: {"input_ids": (4, 16), "labels": (4, 16)} for name in MOE_TINY},
+    "mixtral-mini": {"input_ids": (4, 32), "labels": (4, 32)},
+    "mixtral-8x7b": {"input_ids": (8, 2048), "labels": (8, 2048)},
 }
 
 # Published sizes (tied embeddings counted once), checked within 2%.
@@ -43,6 +47,7 @@ PUBLISHED_PARAMS = {
     "llama-1b": 1.236e9,
     "llama-7b": 6.738e9,
     "bert-base": 110e6,
+    "mixtral-8x7b": 46.7e9,
 }
 
 

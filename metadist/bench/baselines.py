@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..workload import Workload
+from ..workloads.builtin import CAUSAL_FAMILIES
 from .tp_plans import TensorParallelUnavailable, convert_gpt2_for_tp, megatron_plan
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def target_count(batch: dict, family: str) -> int:
     labels = batch.get("labels")
     if labels is None:
         return int(next(iter(batch.values())).shape[0])
-    if family in ("gpt2", "llama"):
+    if family in CAUSAL_FAMILIES:
         labels = labels[:, 1:]  # causal LMs shift the labels
     return int((labels != -100).sum())
 

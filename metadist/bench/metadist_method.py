@@ -123,8 +123,25 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
 
     compile_s = {**planned.compile_s, "solve": solve_s, "lowering": lowering_s}
     prepared = Prepared(method, step=step, holders=(state, compiled, device_mesh), mesh_shape=tuple(ctx.mesh_shape),
-                        build=build)
+                        build=build, note=expert_placement_note(planned.torch_step.graph, plan).lstrip("; "))
     return prepared, compile_s, _estimate_summary(plan.estimate)
+
+
+def expert_placement_note(graph: Any, plan: Any) -> str:
+    """For a graph with experts layers: how the plan placed their stacked expert weights (``""`` otherwise)."""
+    placements = set()
+    for record in graph.routing:
+        for weight in ("gate_up_proj", "down_proj", "up_proj"):
+            sharding = plan.input_shardings.get(f"{record.module}.{weight}")
+            if sharding is not None:
+                placements.add(tuple(str(placement) for placement in sharding))
+    if not placements:
+        return ""
+    axes = sorted({axis for sharding in placements for axis, text in enumerate(sharding) if text == "S(0)"})
+    mode = (f"sharded on the experts dim over mesh axes {axes} (expert parallelism)" if axes
+            else "not sharded on the experts dim (no expert parallelism)")
+    listing = ", ".join("(" + ", ".join(sharding) + ")" for sharding in sorted(placements))
+    return f"; expert weights {listing}: {mode}"
 
 
 def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[str, Any]]:

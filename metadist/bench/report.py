@@ -270,6 +270,16 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
         parts += [f"## {run.model}: {run.world_size} processes, mesh {'x'.join(map(str, run.mesh_shape))}", "",
                   f"{run.params:,} parameters; global batch {shapes}; {run.warmup} warm-up and {run.steps} timed steps "
                   f"after 2 profiled ones.", "", run_table(run), ""]
+        experts = [f"- {result.method}: {result.note.split('; ', 1)[1]}" for result in run.methods
+                   if result.ok and "; expert weights" in result.note]
+        if experts:
+            parts += ["MetaDist's plans for the experts (the ILP's choice, priced with the collectives it implies):",
+                      "", *experts, "",
+                      "The baselines run the library's own experts code (`grouped_mm`: each token through its `k` "
+                      "experts); MetaDist runs the static dropless dispatch it captured "
+                      "(`metadist.frontends.torch.moe`: every expert over `S` slots per group of `S` tokens, `E / k` "
+                      "times the expert rows, plus the one-hot dispatch and combine matmuls), the same function up "
+                      "to rounding (*rel. diff*).", ""]
     parts += ["## Where MetaDist wins and where it loses", "",
               "Each line sets MetaDist's better row (ILP or beam) against the best distributed baseline on one "
               "figure; worst first.", "", *gap_lines(runs), "",

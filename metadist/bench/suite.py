@@ -36,6 +36,7 @@ DEFAULT_ENTRIES = (
     SuiteEntry("gpt2-tiny", "2x2"),
     SuiteEntry("llama-tiny", "2x2"),
     SuiteEntry("bert-tiny", "2x2"),
+    SuiteEntry("mixtral-mini", "2x2"),  # mixture of experts: expert parallelism against DP, ZeRO and TP
 )
 
 

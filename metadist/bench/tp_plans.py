@@ -40,6 +40,14 @@ def megatron_plan(model: nn.Module, family: str, tp_degree: int) -> dict[str, An
             "self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row,
             "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row,
         })
+    if family in ("mixtral", "qwen3_moe"):
+        # Attention as Llama's; the experts are stacked 3-D parameters the parallel styles do not split, so
+        # they stay replicated (every rank runs every expert on all tokens): the experts' TP is MetaDist's to find.
+        config = model.config
+        _check_heads(config.num_attention_heads, config.num_key_value_heads, tp_degree)
+        return _per_layer("model.layers", len(model.model.layers), {
+            "self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row,
+        })
     if family == "bert":
         config = model.config
         _check_heads(config.num_attention_heads, config.num_attention_heads, tp_degree)

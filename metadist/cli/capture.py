@@ -50,6 +50,8 @@ def print_summary(console: Console, graph, capture_seconds: float, top: int = 15
         f"{len(graph.outputs)} outputs, {len(histogram)} distinct ops; "
         f"{human_count(graph.parameter_count())} parameters; captured in {capture_seconds:.2f} s"
     )
+    for record in graph.routing:  # mixture of experts: the static dispatch the graph computes
+        console.print(f"expert routing {record.describe()}", highlight=False)
     roles = Table(title="state and inputs by role")
     roles.add_column("role")
     roles.add_column("tensors", justify="right")

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .common import human_bytes, write_atomically
+from .main import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds; the best plan so far is kept (default 60)")
     parser.add_argument("--baselines", action="store_true", help="also estimate data parallel, ZeRO-2, ZeRO-3 and Megatron TP")
     parser.add_argument("--rules-db", help="rule database file (default: the user cache)")
+    parser.add_argument("--expert-capacity-factor", type=float, default=None, metavar="F",
+                        help="mixture-of-experts layers: ceil(F * k * S / E) slots per expert and group of S tokens "
+                             "(default: dropless); pass the same to 'metadist run --plan FILE'")
     parser.add_argument("--json", metavar="FILE", help="write the plan JSON to FILE")
     parser.add_argument("--explain", metavar="NODE", action="append", default=[], help="explain why NODE got its strategy (repeatable)")
     parser.set_defaults(handler=run)
@@ -45,12 +49,16 @@ def run(args: argparse.Namespace) -> int:
     from ..api import capture_and_discover
     from ..progress import ConsoleListener, enter, listening
 
+    if args.expert_capacity_factor is not None and not args.expert_capacity_factor > 0:
+        raise UsageError(f"--expert-capacity-factor must be positive (leave it out for dropless experts), "
+                         f"got {args.expert_capacity_factor}")
     mesh = Mesh.parse(args.mesh)
     cluster = resolve_cluster(args.cluster, mesh)
     budget = None if args.memory_gb is None else args.memory_gb * 1e9
     with listening(ConsoleListener(Console(stderr=True))):  # the phases on stderr: stdout keeps the plan
         enter("capture")
-        graph, rules = capture_and_discover(args.model, args.rules_db)  # marks "discovery"
+        graph, rules = capture_and_discover(args.model, args.rules_db,  # marks "discovery"
+                                            expert_capacity_factor=args.expert_capacity_factor)
         enter("solve")
         plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
         plans = {"metadist": plan}

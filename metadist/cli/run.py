@@ -66,6 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="save checkpoints in this folder and resume from its newest complete one")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save a checkpoint every N steps (and after the last; default: after the last only)")
+    parser.add_argument("--expert-capacity-factor", type=float, default=None, metavar="F",
+                        help="mixture-of-experts layers: give each expert ceil(F * k * S / E) slots per group of S "
+                             "tokens; a token past them loses that expert's share (default: dropless, the model's "
+                             "own result)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group up to N times when a rank dies or hangs past --timeout-s; with "
                              "--checkpoint-dir it resumes from the newest complete checkpoint")
@@ -121,6 +125,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         command += ["--checkpoint-every", str(args.checkpoint_every)]
     if getattr(args, "summary_json", None):
         command += ["--summary-json", str(Path(args.summary_json).resolve())]
+    if getattr(args, "expert_capacity_factor", None) is not None:
+        command += ["--expert-capacity-factor", str(args.expert_capacity_factor)]
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command
@@ -199,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--checkpoint-every and --max-restarts take 0 or more")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir (where to save)")
+    if args.expert_capacity_factor is not None and not args.expert_capacity_factor > 0:
+        raise UsageError(f"--expert-capacity-factor must be positive (leave it out for dropless experts), "
+                         f"got {args.expert_capacity_factor}")
     if args.max_restarts and not args.checkpoint_dir:
         print("metadist run: note: --max-restarts without --checkpoint-dir restarts from the first step", file=sys.stderr)
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))

@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Union
 
+from .routing import ExpertRouting
+
 __all__ = [
     "Arg",
     "Graph",
@@ -299,12 +301,15 @@ class Graph:
     nodes: tuple[Node, ...]
     outputs: tuple[GraphOutput, ...]
     name: str = "step"
+    routing: tuple[ExpertRouting, ...] = ()
+    """The static dispatch of each experts layer (data-dependent routing, stated: :mod:`.routing`)."""
     _index: Mapping[str, Any] = field(default=None, repr=False, compare=False, hash=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "routing", tuple(self.routing))
         object.__setattr__(self, "_index", self._build_index())
 
     # -- construction checks -------------------------------------------------
@@ -400,6 +405,7 @@ class Graph:
         lines += [f"  in  {graph_input}" for graph_input in self.inputs]
         lines += [f"  {node.name}: {node}" for node in self.nodes]
         lines += [f"  out {graph_output}" for graph_output in self.outputs]
+        lines += [f"  routing {record.describe()}" for record in self.routing]
         return "\n".join(lines) + "\n"
 
     def __str__(self) -> str:

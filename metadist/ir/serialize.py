@@ -5,7 +5,11 @@ The form is plain JSON (no NaN/Infinity tokens, no pickle):
     {"format": "metadist.graph", "version": 1, "name": ...,
      "inputs": [{"name", "shape", "dtype", "role", "source"}],
      "nodes": [{"name", "op", "tags", "args", "kwargs", "outputs"}],
-     "outputs": [{"name", "role", "replaces"}]}
+     "outputs": [{"name", "role", "replaces"}],
+     "routing": [{"module", "num_experts", "top_k", "tokens", "groups", "group_tokens", "capacity"}]}
+
+``routing`` (the static dispatch of each experts layer, :mod:`.routing`) is present only when
+the graph has experts layers.
 
 Arguments encode tensor references as ``{"ref": name}``, literals as
 ``{"lit": kind, "value": v}``, tuples as lists, and non-finite floats as
@@ -19,6 +23,7 @@ import math
 from typing import Any
 
 from .graph import Arg, Graph, GraphInput, GraphOutput, IRError, Literal, MetaOp, Node, TensorSpec, Value, ValueRef
+from .routing import ExpertRouting
 
 GRAPH_FORMAT = "metadist.graph"
 GRAPH_FORMAT_VERSION = 1
@@ -63,7 +68,7 @@ def _decode_value(data: Any) -> Value | None:
 
 
 def graph_to_dict(graph: Graph) -> dict[str, Any]:
-    return {
+    data = {
         "format": GRAPH_FORMAT,
         "version": GRAPH_FORMAT_VERSION,
         "name": graph.name,
@@ -92,6 +97,9 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
             for graph_output in graph.outputs
         ],
     }
+    if graph.routing:
+        data["routing"] = [record.to_dict() for record in graph.routing]
+    return data
 
 
 def graph_from_dict(data: dict[str, Any]) -> Graph:
@@ -116,7 +124,8 @@ def graph_from_dict(data: dict[str, Any]) -> Graph:
         for item in data["nodes"]
     )
     outputs = tuple(GraphOutput(item["name"], item["role"], item.get("replaces"), item.get("source", "")) for item in data["outputs"])
-    return Graph(inputs=inputs, nodes=nodes, outputs=outputs, name=data.get("name", "step"))
+    routing = tuple(ExpertRouting.from_dict(item) for item in data.get("routing", ()))
+    return Graph(inputs=inputs, nodes=nodes, outputs=outputs, name=data.get("name", "step"), routing=routing)
 
 
 def graph_to_json(graph: Graph, indent: int | None = None) -> str:

@@ -114,6 +114,7 @@ def reference_run(
     seed: int,
     init_seed: int = 0,
     init_fn: Callable | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> ReferenceRun:
     """Run ``steps`` steps of the captured graph on one device, on a copy of ``model``.
 
@@ -124,7 +125,8 @@ def reference_run(
     if has_meta_tensors(model):
         materialize(model, seed=init_seed, init_fn=init_fn)
     optimizer = make_optimizer(model.parameters())
-    torch_step = capture_step(train_step, model, optimizer, batch, keep_grads=True, name="reference")
+    torch_step = capture_step(train_step, model, optimizer, batch, keep_grads=True, name="reference",
+                              expert_capacity_factor=expert_capacity_factor)  # the same experts' dispatch
     torch.manual_seed(seed)
     losses, smallest = [], {}
     for _ in range(steps):

@@ -69,6 +69,8 @@ class WorkerConfig:
     """Save every this many steps (and after the last); 0 with a checkpoint folder: only after the last."""
     summary_path: str | None = None
     """Rank 0 writes the run's :class:`metadist.runtime.summary.RunSummary` here as JSON (None: nowhere)."""
+    expert_capacity_factor: float | None = None
+    """Mixture-of-experts layers: slots per expert as a factor of the even share (None: dropless)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -92,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--summary-json", default=None)
+    parser.add_argument("--expert-capacity-factor", type=float, default=None)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -106,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         bucket_cap_bytes=bytes_from_mib(args.bucket_cap_mb),
         overlap=not args.no_overlap, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         summary_path=args.summary_json,
+        expert_capacity_factor=args.expert_capacity_factor,
     )
 
 
@@ -130,15 +134,19 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.note(start.describe())
     plan_source = read_plan_source(config.plan)
     enter("capture")
-    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
+    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step",
+                              expert_capacity_factor=config.expert_capacity_factor)
     compare_grads = config.check
     if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
-        without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step")
+        without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step",
+                                     expert_capacity_factor=config.expert_capacity_factor)
         if plan_source.graph_fingerprint == graph_fingerprint(without_grads.graph):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
                           "parameters, buffers and optimizer state, not the gradients")
+    for record in torch_step.graph.routing:  # mixture of experts: what the captured graph computes, stated
+        reporter.note(f"expert routing {record.describe()}")
     options = StepOptions(plan=plan_source, memory_budget_bytes=config.memory_budget_bytes, cluster=config.cluster,
                           check_shapes=config.check_shapes, compile_backend=config.compile_backend, init_seed=config.init_seed,
                           bucket_cap_bytes=config.bucket_cap_bytes, overlap=config.overlap)
@@ -255,7 +263,7 @@ def _reference(config: WorkerConfig, workload, train_step):
     from .check import reference_run
 
     return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed,
-                         init_seed=config.init_seed)
+                         init_seed=config.init_seed, expert_capacity_factor=config.expert_capacity_factor)
 
 
 def main(argv: list[str] | None = None) -> int:

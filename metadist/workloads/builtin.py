@@ -25,6 +25,7 @@ from torch import nn
 
 from ..workload import Workload, WorkloadError
 from .models import MLP, SmallCNN
+from .moe import MOE_BUILTINS, MOE_FAMILIES, MOE_LARGE_BUILTINS, MOE_SEQ_LEN, MOE_SUMMARY_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class BuiltinSpec:
     description: str
     """What the model is, in a few words."""
     family: str
-    """``mlp``, ``cnn``, ``gpt2``, ``llama`` or ``bert``: selects the model and batch builders."""
+    """``mlp``, ``cnn``, ``gpt2``, ``llama``, ``bert`` or an MoE family of :mod:`.moe`: selects the model and batch builders."""
     tiny: bool
     """Tiny models default to real CPU weights; the others to the meta device."""
     batch_size: int
@@ -128,6 +129,13 @@ SPECS: tuple[BuiltinSpec, ...] = (
         config=dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                     intermediate_size=3072, max_position_embeddings=512),
     ),
+) + tuple(
+    BuiltinSpec(name=name, description=description, family=family, tiny=True, batch_size=4,
+                seq_len=MOE_SEQ_LEN.get(name, 16), config=config)
+    for name, description, family, config in MOE_BUILTINS
+) + tuple(
+    BuiltinSpec(name=name, description=description, family=family, tiny=False, batch_size=8, seq_len=2048, config=config)
+    for name, description, family, config in MOE_LARGE_BUILTINS
 )
 
 BUILTINS: dict[str, BuiltinSpec] = {spec.name: spec for spec in SPECS}
@@ -138,13 +146,17 @@ _HF_FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", "ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM", "ForCausalLM"),
     "bert": ("BertConfig", "BertForMaskedLM", None),
+    **MOE_FAMILIES,
 }
+
+CAUSAL_FAMILIES = ("gpt2", "llama", *MOE_FAMILIES)
+"""Families whose batch is a causal-LM batch (the model shifts the labels itself)."""
 
 # Config keys copied into ``Workload.extras["config"]``.
 _SUMMARY_KEYS = (
     "model_type", "vocab_size", "n_layer", "n_embd", "n_head", "n_positions", "hidden_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-    "max_position_embeddings", "tie_word_embeddings", "_attn_implementation",
+    "max_position_embeddings", "tie_word_embeddings", "_attn_implementation", *MOE_SUMMARY_KEYS,
 )
 
 
@@ -356,7 +368,7 @@ def _make_batch(spec: BuiltinSpec, batch_size: int, seq_len: int | None) -> dict
             "targets": torch.randint(0, config["num_classes"], (batch_size,), generator=generator),  # (B,)
         }
     input_ids = torch.randint(0, config["vocab_size"], (batch_size, seq_len), generator=generator)  # (B, T)
-    if spec.family in ("gpt2", "llama"):
+    if spec.family in CAUSAL_FAMILIES:
         # Causal LM: the model shifts the labels itself.
         return {"input_ids": input_ids, "labels": input_ids.clone()}
     return _masked_lm_batch(input_ids, generator)

@@ -21,6 +21,7 @@ The recipe:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import traceback
@@ -42,6 +43,7 @@ from torch.nn.utils import stateless
 from ...ir import Graph, Role
 from .errors import CaptureError
 from .masked_assignment import MaskedAssignmentAsWhere
+from .moe import static_experts, uncovered_routing_hint
 from .optim import (
     HYPERPARAMETER_DTYPE, OptimizerSpec, functional_update, hyperparameter_values, initial_state, optimizer_spec,
     optimizer_structure,
@@ -176,11 +178,14 @@ def capture_step(
     *,
     name: str = "step",
     keep_grads: bool = False,
+    expert_capacity_factor: float | None = None,
 ) -> TorchStep:
     """Capture ``train_step(model, optimizer, batch)``.
 
     ``keep_grads=True`` adds each parameter's gradient (as the optimizer saw
     it) to the outputs with role ``grad``, for checking runs against each other.
+    ``expert_capacity_factor`` bounds the slots of each ``transformers`` experts layer (see
+    :mod:`.moe`; None: dropless, the library's result); ``graph.routing`` states what was captured.
     Nothing of the user's model, optimizer or batch is changed.
     """
     started = time.perf_counter()
@@ -231,7 +236,8 @@ def capture_step(
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, _host_random_unused():
+    experts = static_experts(model, capacity_factor=expert_capacity_factor)  # MoE layers with static shapes (.moe)
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, _host_random_unused(), experts as routing:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -241,6 +247,8 @@ def capture_step(
 
     output_roles = traced.output_roles()
     graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
+    if routing:
+        graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
@@ -503,6 +511,11 @@ class _ModuleTracker:
         module = self.model.get_submodule(name) if name else self.model
         return f" in module {name or '(the root)'!r} ({type(module).__name__})"
 
+    def routing_hint(self) -> str:
+        """What to change when the failing module is a mixture-of-experts layer MetaDist does not cover."""
+        name = self.failed_in if self.failed_in is not None else (self.stack[-1] if self.stack else None)
+        return "" if name is None else uncovered_routing_hint(self.model.get_submodule(name))
+
 
 @contextlib.contextmanager
 def _user_errors(modules: "_ModuleTracker | None" = None):
@@ -516,7 +529,7 @@ def _user_errors(modules: "_ModuleTracker | None" = None):
             f"the training step has data-dependent Python control flow or output shapes at {_user_frame(err)}"
             f"{_where(modules)}: a Python decision on a tensor's value ({type(err).__name__}: {err}). A captured step "
             "must run the same ops whatever the data: use torch.where instead of `if tensor:`, and keep "
-            ".item()/.tolist()/nonzero() out of the step"
+            ".item()/.tolist()/nonzero() out of the step" + (modules.routing_hint() if modules is not None else "")
         ) from err
     except UnsupportedFakeTensorException as err:
         raise CaptureError(f"the training step uses a tensor MetaDist cannot trace at {_user_frame(err)}"
@@ -531,7 +544,7 @@ def _user_errors(modules: "_ModuleTracker | None" = None):
         if type(err).__name__ == "GuardOnDataDependentSymNode":
             raise CaptureError(
                 f"the training step has data-dependent Python control flow at {_user_frame(err)}{_where(modules)}: "
-                f"{err}. Use torch.where instead of `if tensor:`"
+                f"{err}. Use torch.where instead of `if tensor:`" + (modules.routing_hint() if modules is not None else "")
             ) from err
         raise CaptureError(
             f"the training step failed while being traced, at {_user_frame(err)}{_where(modules)}: "
