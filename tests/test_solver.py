@@ -190,3 +190,26 @@ def test_strategies_are_enumerated_jointly_over_axes_and_exclusions_counted():
     blocked = node_strategies(parse_rule("ab->ab | a:chunk=2"), ((8, 8),), ((8, 8),), mesh)
     assert blocked.excluded_inexpressible > 0
     assert all(choice.index != 0 for st in blocked.strategies for choice in st.choices if choice.kind == "factor")
+
+
+def test_local_search_improves_a_rounding_and_never_beats_the_ilp():
+    from metadist.solver.ilp import ShardingILP
+    from metadist.solver.local_search import improve, memory_at_peaks, objective_s, round_relaxation
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(64, 1024, 4096, layers=2)
+    problem = build_problem(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))
+    exact = ShardingILP(problem, None).solve(60.0)
+    assert objective_s(problem, exact.choice) == pytest.approx(exact.objective_s, rel=1e-6)
+    flat = {c: [1.0] * problem.strategy_count(c) for c in problem.classes}
+    start = round_relaxation(problem, flat)  # every class on its first strategy
+    improved = improve(problem, start, None)
+    assert exact.objective_s * (1 - 1e-9) <= objective_s(problem, improved) <= objective_s(problem, start)
+    budget = max(memory_at_peaks(problem, start))
+    fitted = improve(problem, start, budget)
+    assert max(memory_at_peaks(problem, fitted)) <= budget
+    # the rounded relaxation reports its exact gap to the bound it is given
+    ilp = ShardingILP(problem, None)
+    values = ilp._values_of(start)
+    rounded = ilp.rounded(values, exact.objective_s, 0.0)
+    assert rounded.stats["mip_gap"] == pytest.approx((rounded.objective_s - exact.objective_s) / rounded.objective_s, abs=1e-12)
