@@ -213,3 +213,22 @@ def test_local_search_improves_a_rounding_and_never_beats_the_ilp():
     values = ilp._values_of(start)
     rounded = ilp.rounded(values, exact.objective_s, 0.0)
     assert rounded.stats["mip_gap"] == pytest.approx((rounded.objective_s - exact.objective_s) / rounded.objective_s, abs=1e-12)
+
+
+def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch):
+    from metadist.solver.ilp import ShardingILP, Solution
+    from metadist.solver.local_search import objective_s
+
+    def poor_search(self, time_limit_s=60.0):  # stands in for a rounding or a time limit: a feasible, poor plan
+        choice = {c: len(self.x.get(c, [0])) - 1 for c in self.problem.classes}
+        return Solution(choice, objective_s(self.problem, choice), self._stats(0.0, "Feasible", 0.5, 0, "poor search"))
+
+    graph, rules = mlp_step(4096, 256, 1024, layers=2)
+    cluster = cluster_for("h100-ib", Mesh((2, 4)))
+    baselines = {kind: baseline_plan(graph, rules, cluster, kind).estimate["step_s"] for kind in ("dp", "zero2", "zero3", "megatron")}
+    monkeypatch.setattr(ShardingILP, "solve", poor_search)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
+    assert set(plan.solver["baselines_checked"]) == set(baselines)
+    assert "layout, solved on the same problem" in plan.solver["method"]
+    assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
+    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-4)

@@ -32,11 +32,12 @@ DEFAULT_MODELS = ("gpt2-small", "gpt2-xl", "llama-7b")
 DEFAULT_MESHES = ("8", "2x4", "8x8")
 
 
-def bench_one(graph, rules, mesh: Mesh, cluster_spec: str | None, time_limit_s: float, baselines: bool) -> dict[str, Any]:
-    """Plan one graph on one mesh; with ``baselines``, estimate the four baselines too."""
+def bench_one(graph, rules, mesh: Mesh, cluster_spec: str | None, time_limit_s: float, baselines: bool,
+              memory_budget_bytes: float | None = None) -> dict[str, Any]:
+    """Plan one graph on one mesh (``memory_budget_bytes``: None for the device's capacity); with ``baselines``, estimate the four baselines too."""
     cluster = resolve_cluster(cluster_spec, mesh)
     started, started_cpu = time.perf_counter(), time.process_time()
-    plan = plan_graph(graph, rules, cluster, time_limit_s=time_limit_s)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s)
     row: dict[str, Any] = {"mesh": "x".join(map(str, mesh.shape)), "plan_total_s": time.perf_counter() - started,
                            "plan_total_cpu_s": time.process_time() - started_cpu}
     keys = ("graph_nodes", "units_after_merging", "classes_after_tying", "classes_with_choices", "variables", "constraints",
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", help="preset or cluster JSON (default h100-ib)")
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--memory-gb", type=float, help="per-device budget in GB (inf: none); default the device's capacity")
     parser.add_argument("--rules-db", help="rule database file (default: the user cache)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         graph, rules, timings = capture(model, args.rules_db)
         phases = ", ".join(f"{phase} {wall:.2f} s (CPU {cpu:.2f} s)" for phase, (wall, cpu) in timings.items())
         console.print(f"{model}: {len(graph.nodes)} nodes; {phases}")
-        rows = [bench_one(graph, rules, Mesh.parse(text), args.cluster, args.time_limit, not args.no_baselines)
+        budget = None if args.memory_gb is None else args.memory_gb * 1e9
+        rows = [bench_one(graph, rules, Mesh.parse(text), args.cluster, args.time_limit, not args.no_baselines, budget)
                 for text in args.meshes.split(",")]
         for row in rows:
             row["front_s"] = {phase: list(seconds) for phase, seconds in timings.items()}

@@ -111,6 +111,7 @@ class ShardingILP:
         self.edge_consumer_marginals()
         self.memory_budget()
         self.build_s = time.perf_counter() - started
+        self._relaxation: highspy.Highs | None = None
 
     def _new_variable(self, cost: float, integer: bool) -> int:
         self.cost.append(cost)
@@ -208,11 +209,12 @@ class ShardingILP:
             values[y[edge.producer_label[choice[edge.producer]]][edge.consumer_label[choice[edge.consumer]]]] = 1.0
         return values
 
-    def rounded(self, values: np.ndarray, bound_s: float, started: float) -> Solution | None:
+    def rounded(self, values: np.ndarray, bound_s: float, started: float,
+                allowed: dict[int, frozenset[int]] | None = None) -> Solution | None:
         """The relaxation rounded and improved by local search, with its exact gap to ``bound_s``; None if it breaks the budget."""
         weights = {c: values[variables] for c, variables in self.x.items()}
         budget = None if self.budget is None else self.budget - MEMORY_MARGIN_BYTES
-        choice = improve(self.problem, round_relaxation(self.problem, weights), budget)
+        choice = improve(self.problem, round_relaxation(self.problem, weights), budget, allowed=allowed)
         if budget is not None and max(memory_at_peaks(self.problem, choice), default=0.0) > budget:
             return None
         seconds = objective_s(self.problem, choice)
@@ -220,6 +222,36 @@ class ShardingILP:
         stats = self._stats(time.perf_counter() - started, "Optimal" if gap == 0.0 else "Feasible", gap, 0,
                             "LP relaxation, rounded and improved by local search")
         return Solution(choice=choice, objective_s=seconds, stats=stats)
+
+    def restricted(self, allowed: dict[int, frozenset[int]], time_limit_s: float = 60.0) -> Solution | None:
+        """The best plan found with classes limited to ``allowed`` strategies (a baseline's): None if none fits.
+
+        The LP relaxation with the other strategies' variables fixed at 0; an integral optimum is
+        the restricted problem's optimum, otherwise it is rounded and improved within the restriction.
+        """
+        started = time.perf_counter()
+        fixed = np.array([variable for c, ok in allowed.items() for s, variable in enumerate(self.x.get(c, ())) if s not in ok],
+                         dtype=np.int32)
+        highs = self._relaxation  # the relaxation solved last: its basis warm-starts the restricted one
+        if highs is None:
+            highs = self._relaxation = self._run(time_limit_s, relax=True)
+        highs.setOptionValue("time_limit", float(time_limit_s))
+        highs.changeColsBounds(len(fixed), fixed, np.zeros(len(fixed)), np.zeros(len(fixed)))
+        try:
+            highs.run()
+            if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                return None
+            values = np.array(highs.getSolution().col_value)
+            bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
+        finally:
+            highs.changeColsBounds(len(fixed), fixed, np.zeros(len(fixed)), np.ones(len(fixed)))
+        if self._integral(values):
+            choice = {c: 0 for c in self.problem.classes}
+            for c, variables in self.x.items():
+                choice[c] = int(np.argmax(values[variables]))
+            stats = self._stats(time.perf_counter() - started, "Optimal", 0.0, 0, "LP relaxation (integral), restricted")
+            return Solution(choice=choice, objective_s=objective_s(self.problem, choice), stats=stats)
+        return self.rounded(values, bound_s, started, allowed)
 
     def _integral(self, values: np.ndarray) -> bool:
         binaries = [i for i, flag in enumerate(self.integer) if flag]
@@ -237,6 +269,7 @@ class ShardingILP:
                             stats=self._stats(0.0, "Optimal", 0.0, 0, "no choices"))
         started = time.perf_counter()
         highs, method = self._run(time_limit_s, relax=True), "LP relaxation (integral)"
+        self._relaxation = highs
         lp_status = highs.getModelStatus()
         if lp_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
             return None

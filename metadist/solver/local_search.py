@@ -41,8 +41,13 @@ def memory_at_peaks(problem: Problem, choice: Mapping[int, int]) -> list[float]:
     ]
 
 
-def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | None, max_rounds: int = 50) -> dict[int, int]:
-    """Move one class at a time to its cheapest strategy given the others, within the budget, until nothing improves."""
+def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | None, max_rounds: int = 50,
+            allowed: Mapping[int, frozenset[int]] | None = None) -> dict[int, int]:
+    """Move one class at a time to its cheapest strategy given the others, within the budget, until nothing improves.
+
+    ``allowed``: classes limited to some of their strategies (a baseline's); the others may take any.
+    """
+    allowed = allowed or {}
     choice = dict(choice)
     touching: dict[int, list[ClassEdge]] = {c: [] for c in problem.classes}
     for edge in problem.edges:
@@ -57,7 +62,7 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
             current = choice[c]
             best, best_s = _class_s(problem, touching[c], choice, c, current), current
             for s in range(problem.strategy_count(c)):
-                if s == current:
+                if s == current or (c in allowed and s not in allowed[c]):
                     continue
                 seconds = _class_s(problem, touching[c], choice, c, s)
                 if seconds < best - 1e-12 and _fits(peaks, used, c, current, s, budget_bytes):
