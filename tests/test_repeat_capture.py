@@ -16,29 +16,33 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, index: int = 0, odd_layer: int | None = None) -> None:
+    def __init__(self, width: int, index: int = 0, window: int | None = None) -> None:
         super().__init__()
+        self.layer_idx = index  # the index alone does not make layers differ
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
-        self.odd = index == odd_layer
+        self.window = window
 
     def forward(self, x):
         y = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-        return x + (2 * y if self.odd else y)
+        return x + (y if self.window is None else y.clamp(-self.window, self.window))
 
 
 class Deep(nn.Module):
-    def __init__(self, layers: int, width: int = 8, odd_layer: int | None = None) -> None:
+    def __init__(self, layers: int, width: int = 8, odd_layer: int | None = None, windowed: int | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(16, width)
-        self.blocks = nn.ModuleList(Block(width, i, odd_layer) for i in range(layers))
+        self.blocks = nn.ModuleList(Block(width, i, 1 if i == windowed else None) for i in range(layers))
         self.head = nn.Linear(width, 16)
+        self.odd_layer = odd_layer
 
     def forward(self, tokens):
         x = self.embed(tokens)
-        for block in self.blocks:
+        for index, block in enumerate(self.blocks):
             x = block(x)
+            if index == self.odd_layer:  # the step treats one layer differently, invisibly to the layers themselves
+                x = 2 * x
         return self.head(x)
 
 
@@ -92,6 +96,8 @@ def test_repeated_layers_are_found_only_when_identical_and_unshared():
     shared = Deep(3)
     shared.blocks[2].up.weight = shared.blocks[0].up.weight
     assert find_repeated_layers(shared) is None
+    # one layer set apart by a setting beyond the four captured ones (as a global layer every sixth)
+    assert find_repeated_layers(Deep(8, windowed=5)) is None
 
 
 def test_expansion_refuses_a_graph_without_the_captured_layers():

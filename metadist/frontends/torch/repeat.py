@@ -56,6 +56,40 @@ class RepeatedLayers:
         return f"{self.path}." if self.path else ""
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """Every submodule's class and plain attributes (numbers, strings, flags; other objects by their type)."""
+    found: dict[tuple[str, str], Any] = {}
+    for path, sub in module.named_modules():
+        found[(path, "<class>")] = type(sub)
+        for key, value in vars(sub).items():
+            if key.startswith("_") or key == "training" or isinstance(value, torch.Tensor | torch.nn.Module):
+                continue
+            plain = isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+            found[(path, key)] = value if plain else type(value)
+    return found
+
+
+def _same_settings(layers: torch.nn.ModuleList) -> bool:
+    """Whether the layers agree on every setting but their own index (``layer_idx`` = 0, 1, 2...).
+
+    Layers that differ here may compute differently (a global-attention layer every sixth, say) though
+    they hold the same parameters; the four captured layers could not show it.
+    """
+    settings = [_settings(layer) for layer in layers]
+    if any(found.keys() != settings[0].keys() for found in settings):
+        return False
+    for key in settings[0]:
+        values = [found[key] for found in settings]
+        if values == list(range(len(layers))) and all(type(value) is int for value in values):
+            continue
+        if any(value != values[0] for value in values):
+            return False
+    return True
+
+
 def _layout(module: torch.nn.Module) -> tuple:
     params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters())
     buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers())
@@ -63,7 +97,11 @@ def _layout(module: torch.nn.Module) -> tuple:
 
 
 def find_repeated_layers(model: torch.nn.Module) -> RepeatedLayers | None:
-    """The ``ModuleList`` of identical, unshared layers holding the most parameters (None if there is none)."""
+    """The ``ModuleList`` of identical, unshared layers holding the most parameters (None if there is none).
+
+    Identical: one class, the same parameters and buffers (names, shapes, dtypes) and the same plain
+    settings in every submodule but their own index (:func:`_same_settings`).
+    """
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
@@ -74,6 +112,9 @@ def find_repeated_layers(model: torch.nn.Module) -> RepeatedLayers | None:
         layouts = {_layout(layer) for layer in module}
         params = [param for layer in module for param in layer.parameters()]
         if len(layouts) != 1 or not params or any(owners.get(id(param), 0) != 1 for param in params):
+            continue
+        if not _same_settings(module):
+            log.info("the layers under %r hold the same parameters but differ in a setting: not expanded", path)
             continue
         size = sum(param.numel() for param in params)
         if size > best_size:
