@@ -329,6 +329,8 @@ def capture_and_discover(workload: Any, rules_db: str | None = None, *,
     PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*`` built-ins, or a
     model file returning a ``JaxWorkload``) from their jaxpr, with rules discovered by executing
     the JAX primitives, into the same database. ``expert_capacity_factor``: see :class:`CompileOptions`.
+    A PyTorch model repeating one block of layers is captured on a few of them and expanded
+    (:func:`metadist.frontends.torch.repeat.capture_repeated`; the graph equals the whole capture's).
     """
     from .frontends.jax.workload import JaxWorkload
     from .shardcombine.api import rules_from_database
@@ -344,12 +346,12 @@ def capture_and_discover(workload: Any, rules_db: str | None = None, *,
         step = capture_jax(workload)
         graph, executor = step.graph, JaxOpExecutor(raw_params=step.raw_params)
     else:
-        from .frontends.torch import capture_step
         from .frontends.torch.discovery import TorchExecutor
+        from .frontends.torch.repeat import capture_repeated
 
         optimizer = workload.optimizer(workload.model.parameters())
-        graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
-                             name=workload.name or name or "step", expert_capacity_factor=expert_capacity_factor).graph
+        graph = capture_repeated(workload.train_step(), workload.model, optimizer, workload.batch,
+                                 name=workload.name or name or "step", expert_capacity_factor=expert_capacity_factor)
         executor = TorchExecutor()
     return graph, rules_from_database(graph, executor, rules_db)
 

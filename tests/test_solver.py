@@ -190,3 +190,45 @@ def test_strategies_are_enumerated_jointly_over_axes_and_exclusions_counted():
     blocked = node_strategies(parse_rule("ab->ab | a:chunk=2"), ((8, 8),), ((8, 8),), mesh)
     assert blocked.excluded_inexpressible > 0
     assert all(choice.index != 0 for st in blocked.strategies for choice in st.choices if choice.kind == "factor")
+
+
+def test_local_search_improves_a_rounding_and_never_beats_the_ilp():
+    from metadist.solver.ilp import ShardingILP
+    from metadist.solver.local_search import improve, memory_at_peaks, objective_s, round_relaxation
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(64, 1024, 4096, layers=2)
+    problem = build_problem(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))
+    exact = ShardingILP(problem, None).solve(60.0)
+    assert objective_s(problem, exact.choice) == pytest.approx(exact.objective_s, rel=1e-6)
+    flat = {c: [1.0] * problem.strategy_count(c) for c in problem.classes}
+    start = round_relaxation(problem, flat)  # every class on its first strategy
+    improved = improve(problem, start, None)
+    assert exact.objective_s * (1 - 1e-9) <= objective_s(problem, improved) <= objective_s(problem, start)
+    budget = max(memory_at_peaks(problem, start))
+    fitted = improve(problem, start, budget)
+    assert max(memory_at_peaks(problem, fitted)) <= budget
+    # the rounded relaxation reports its exact gap to the bound it is given
+    ilp = ShardingILP(problem, None)
+    values = ilp._values_of(start)
+    rounded = ilp.rounded(values, exact.objective_s, 0.0)
+    assert rounded.stats["mip_gap"] == pytest.approx((rounded.objective_s - exact.objective_s) / rounded.objective_s, abs=1e-12)
+
+
+def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch):
+    from metadist.solver.ilp import ShardingILP, Solution
+    from metadist.solver.local_search import objective_s
+
+    def poor_search(self, time_limit_s=60.0):  # stands in for a rounding or a time limit: a feasible, poor plan
+        choice = {c: len(self.x.get(c, [0])) - 1 for c in self.problem.classes}
+        return Solution(choice, objective_s(self.problem, choice), self._stats(0.0, "Feasible", 0.5, 0, "poor search"))
+
+    graph, rules = mlp_step(4096, 256, 1024, layers=2)
+    cluster = cluster_for("h100-ib", Mesh((2, 4)))
+    baselines = {kind: baseline_plan(graph, rules, cluster, kind).estimate["step_s"] for kind in ("dp", "zero2", "zero3", "megatron")}
+    monkeypatch.setattr(ShardingILP, "solve", poor_search)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
+    assert set(plan.solver["baselines_checked"]) == set(baselines)
+    assert "layout, solved on the same problem" in plan.solver["method"]
+    assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
+    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-4)

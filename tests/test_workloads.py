@@ -31,6 +31,7 @@ DEFAULT_BATCH_SHAPES = {
     "llama-tiny": {"input_ids": (4, 16), "labels": (4, 16)},
     "llama-1b": {"input_ids": (8, 2048), "labels": (8, 2048)},
     "llama-7b": {"input_ids": (8, 2048), "labels": (8, 2048)},
+    "llama-70b": {"input_ids": (1024, 4096), "labels": (1024, 4096)},
     "bert-tiny": {"input_ids": (4, 16), "attention_mask": (4, 16), "labels": (4, 16)},
     "bert-base": {"input_ids": (8, 512), "attention_mask": (8, 512), "labels": (8, 512)},
     **{name: {"input_ids": (4, 16), "labels": (4, 16)} for name in MOE_TINY},
@@ -46,6 +47,7 @@ PUBLISHED_PARAMS = {
     "gpt2-xl": 1.558e9,
     "llama-1b": 1.236e9,
     "llama-7b": 6.738e9,
+    "llama-70b": 68.977e9,
     "bert-base": 110e6,
     "mixtral-8x7b": 46.7e9,
 }

@@ -229,20 +229,19 @@ class Node:
         object.__setattr__(self, "args", tuple(self.args))
         object.__setattr__(self, "kwargs", tuple((str(key), arg) for key, arg in self.kwargs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        names: list[str] = []
         for arg in self.args:
             _check_arg(arg, self.name)
+            names.extend(_refs(arg))
         for _, arg in self.kwargs:
             _check_arg(arg, self.name)
+            names.extend(_refs(arg))
+        object.__setattr__(self, "_input_names", tuple(names))  # not a field: computed once (planners read it often)
 
     @property
     def input_names(self) -> tuple[str, ...]:
         """Names of the tensor values this node reads, in argument order (repeats kept)."""
-        names: list[str] = []
-        for arg in self.args:
-            names.extend(_refs(arg))
-        for _, arg in self.kwargs:
-            names.extend(_refs(arg))
-        return tuple(names)
+        return self._input_names  # type: ignore[attr-defined]
 
     @property
     def output_values(self) -> tuple[Value, ...]:

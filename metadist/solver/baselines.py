@@ -64,6 +64,29 @@ def _restrictions(graph: Graph, mesh: Mesh, kind: str) -> Restrictions:
     return Restrictions(input_shardings=allowed)
 
 
+def baseline_choices(problem: Any, kind: str) -> dict[int, frozenset[int]] | None:
+    """The strategies each input class may take under the ``kind`` baseline, on an unrestricted problem.
+
+    None where a baseline's starting layout is not among a class's strategies. The planner solves the
+    problem so restricted next to its own search when that search is not proven optimal
+    (:func:`metadist.solver.planner.plan_graph`), so its plan never costs more than a baseline's.
+    """
+    restrictions = _restrictions(problem.graph, problem.cluster.mesh, kind)
+    allowed: dict[int, frozenset[int]] = {}
+    for index, unit in enumerate(problem.units):
+        shardings = restrictions.input_shardings.get(unit.members[0]) if unit.is_input else None
+        if shardings is None:
+            continue
+        ok = frozenset(s for s, row in enumerate(unit.strategies) if row[0].outputs[0] in shardings)
+        if not ok:
+            return None
+        c = problem.unit_class[index]
+        allowed[c] = allowed.get(c, ok) & ok
+        if not allowed[c]:
+            return None
+    return allowed
+
+
 def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0,
                   uneven_shards: bool = True) -> Plan:
     """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget.

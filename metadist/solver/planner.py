@@ -86,10 +86,33 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
     if solver == "beam":
         solution = beam_search(problem, budget, beam_width)
     else:
-        solution = ShardingILP(problem, budget).solve(time_limit_s)
+        ilp = ShardingILP(problem, budget)
+        solution = ilp.solve(time_limit_s)
+        if solution is not None and solution.stats.get("mip_gap") != 0.0:
+            solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s)
     if solution is None:
         raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s))
     return solution
+
+
+def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solution, time_limit_s: float) -> Solution:
+    """The search's plan, or a baseline's layout (data parallel, ZeRO, Megatron) solved on the same problem where it costs less.
+
+    Run when the search is not proven optimal (a rounded relaxation within its accepted gap, or branch and bound
+    stopped at the time limit): a baseline is the problem with its inputs' layouts fixed, so an optimal plan is never
+    dearer than one, and this keeps it so for a plan that is not. ``solver['baselines_checked']`` has their seconds.
+    """
+    from .baselines import BASELINES, baseline_choices
+
+    best, checked = solution, {}
+    for kind in BASELINES:
+        allowed = baseline_choices(problem, kind)
+        candidate = None if allowed is None else ilp.restricted(allowed, time_limit_s)
+        checked[kind] = None if candidate is None else round(candidate.objective_s, 9)
+        if candidate is not None and candidate.objective_s < best.objective_s * (1 - 1e-9):
+            best = Solution(candidate.choice, candidate.objective_s,
+                            {**solution.stats, "method": f"{kind} layout, solved on the same problem (the search's plan cost more)"})
+    return Solution(best.choice, best.objective_s, {**best.stats, "baselines_checked": checked})
 
 
 def smallest_memory_bytes(problem: Problem, time_limit_s: float = 60.0) -> float | None:

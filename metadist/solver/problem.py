@@ -306,13 +306,19 @@ def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing):
         for s in range(len(unit.strategies)):
             linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot), share)
     merged: dict[tuple, list[list[float]]] = {}
+    priced: dict[tuple, list[list[float]]] = {}  # (spec, shardings, share) -> seconds: many edges carry the same tensor kind
     for (a, pm, pk, b, cm, slot, spec, share), count in counts.items():
         p_all = [_output_sharding(units[a], s, pm, pk) for s in range(len(units[a].strategies))]
         q_all = [_consumer_sharding(units[b], t, cm, slot) for t in range(len(units[b].strategies))]
-        p_list, q_list = list(dict.fromkeys(p_all)), list(dict.fromkeys(q_all))
-        matrix = [[count * price(spec, p, q, share) for q in q_list] for p in p_list]
-        p_label = tuple(p_list.index(p) for p in p_all)
-        q_label = tuple(q_list.index(q) for q in q_all)
+        p_index, q_index = {p: i for i, p in enumerate(dict.fromkeys(p_all))}, {q: i for i, q in enumerate(dict.fromkeys(q_all))}
+        p_list, q_list = tuple(p_index), tuple(q_index)
+        key = (spec, p_list, q_list, share)
+        seconds = priced.get(key)
+        if seconds is None:
+            seconds = priced[key] = [[price(spec, p, q, share) for q in q_list] for p in p_list]
+        matrix = [[count * x for x in row] for row in seconds]
+        p_label = tuple(p_index[p] for p in p_all)
+        q_label = tuple(q_index[q] for q in q_all)
         if a == b:
             for s in range(len(p_all)):
                 linear[a][s] += matrix[p_label[s]][q_label[s]]

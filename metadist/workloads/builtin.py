@@ -118,6 +118,13 @@ SPECS: tuple[BuiltinSpec, ...] = (
                     rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     ),
     BuiltinSpec(
+        name="llama-70b", description="Llama 2 70B shapes (69B, GQA 64/8 heads); a batch of 1024 x 4096 tokens (Llama 2's 4M)",
+        family="llama", tiny=False, batch_size=1024, seq_len=4096,
+        config=dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                    num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    ),
+    BuiltinSpec(
         name="bert-tiny", description="BERT masked LM, tiny (2 layers, 128 wide, 2 heads, vocab 1000)",
         family="bert", tiny=True, batch_size=4, seq_len=16,
         config=dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,

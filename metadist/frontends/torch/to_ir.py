@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from ...ir import Graph, GraphInput, GraphOutput, Literal, MetaOp, Node, Role, TensorSpec, Value, ValueRef
+from ...ir.expand import canonical_names
 from ...shardcombine.attention import is_attention
 from .errors import CaptureError
 
@@ -203,7 +204,8 @@ def fx_to_ir(
         outputs.append(GraphOutput(names[value], role, source=source))
     outputs.extend(state_outputs)
     graph = Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name)
-    return graph, constants, slots_all, frozenset(contiguous)
+    graph, renamed = canonical_names(graph)  # names from the op sequence alone: an expanded capture gets the same ones
+    return graph, constants, slots_all, frozenset(renamed.get(value, value) for value in contiguous)
 
 
 def _is_contiguous(value: Any) -> bool:

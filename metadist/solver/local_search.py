@@ -1,0 +1,103 @@
+"""Rounding the ILP's relaxation and improving it by local search.
+
+When the LP relaxation of the sharding ILP is not integral, a few classes split their weight
+over several strategies. :func:`round_relaxation` gives each class its heaviest strategy;
+:func:`improve` then visits the classes again and again, moving each to the strategy that is
+cheapest given its neighbours' current strategies (compute, linear resharding, and every edge
+to another class), as long as every memory peak stays within the budget, until no move helps.
+Each move lowers the objective, so the search ends.
+
+The relaxation's optimum is a lower bound on every plan's objective, so the gap of the result
+to that bound is known exactly; the ILP accepts the result when the gap is small
+(:data:`metadist.solver.ilp.ACCEPTED_ROUNDING_GAP`) and runs branch and bound from it otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from .problem import ClassEdge, Problem
+
+
+def round_relaxation(problem: Problem, weights: Mapping[int, Sequence[float]]) -> dict[int, int]:
+    """Each class's heaviest strategy (``weights[c][s]``: the relaxation's ``x[c, s]``); classes without weights take 0."""
+    choice = {c: 0 for c in problem.classes}
+    for c, row in weights.items():
+        choice[c] = max(range(len(row)), key=lambda s: (row[s], -s))
+    return choice
+
+
+def objective_s(problem: Problem, choice: Mapping[int, int]) -> float:
+    """The ILP's objective of ``choice`` in seconds, the single-strategy classes' constant seconds included."""
+    total = sum(problem.compute_s[c][choice[c]] + problem.linear_comm_s[c][choice[c]] for c in problem.classes)
+    return total + sum(_edge_s(edge, choice[edge.producer], choice[edge.consumer]) for edge in problem.edges)
+
+
+def memory_at_peaks(problem: Problem, choice: Mapping[int, int]) -> list[float]:
+    """Bytes per device at each of the problem's peaks."""
+    return [
+        constant + sum(row[choice[c]] for c, row in coefficients.items())
+        for coefficients, constant in zip(problem.memory_bytes, problem.memory_constant_bytes)
+    ]
+
+
+def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | None, max_rounds: int = 50,
+            allowed: Mapping[int, frozenset[int]] | None = None) -> dict[int, int]:
+    """Move one class at a time to its cheapest strategy given the others, within the budget, until nothing improves.
+
+    ``allowed``: classes limited to some of their strategies (a baseline's); the others may take any.
+    """
+    allowed = allowed or {}
+    choice = dict(choice)
+    touching: dict[int, list[ClassEdge]] = {c: [] for c in problem.classes}
+    for edge in problem.edges:
+        touching[edge.producer].append(edge)
+        touching[edge.consumer].append(edge)
+    peaks = [(k, coefficients) for k, coefficients in enumerate(problem.memory_bytes)]
+    used = memory_at_peaks(problem, choice)
+    movable = [c for c in problem.classes if problem.strategy_count(c) > 1]
+    for _ in range(max_rounds):
+        moved = False
+        for c in movable:
+            current = choice[c]
+            best, best_s = _class_s(problem, touching[c], choice, c, current), current
+            for s in range(problem.strategy_count(c)):
+                if s == current or (c in allowed and s not in allowed[c]):
+                    continue
+                seconds = _class_s(problem, touching[c], choice, c, s)
+                if seconds < best - 1e-12 and _fits(peaks, used, c, current, s, budget_bytes):
+                    best, best_s = seconds, s
+            if best_s != current:
+                for k, coefficients in peaks:
+                    row = coefficients.get(c)
+                    if row is not None:
+                        used[k] += row[best_s] - row[current]
+                choice[c] = best_s
+                moved = True
+        if not moved:
+            break
+    return choice
+
+
+def _class_s(problem: Problem, edges: Sequence[ClassEdge], choice: Mapping[int, int], c: int, s: int) -> float:
+    """The objective terms that depend on class ``c``, with ``c`` taking strategy ``s``."""
+    seconds = problem.compute_s[c][s] + problem.linear_comm_s[c][s]
+    for edge in edges:
+        producer = s if edge.producer == c else choice[edge.producer]
+        consumer = s if edge.consumer == c else choice[edge.consumer]
+        seconds += _edge_s(edge, producer, consumer)
+    return seconds
+
+
+def _edge_s(edge: ClassEdge, producer_strategy: int, consumer_strategy: int) -> float:
+    return edge.comm_s[edge.producer_label[producer_strategy]][edge.consumer_label[consumer_strategy]]
+
+
+def _fits(peaks, used: Sequence[float], c: int, current: int, candidate: int, budget_bytes: float | None) -> bool:
+    if budget_bytes is None:
+        return True
+    for k, coefficients in peaks:
+        row = coefficients.get(c)
+        if row is not None and used[k] + row[candidate] - row[current] > budget_bytes:
+            return False
+    return True

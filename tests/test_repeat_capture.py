@@ -1,0 +1,119 @@
+"""Capturing a deep model on four of its layers and expanding the graph to all of them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from metadist.frontends.torch import capture_step
+from metadist.frontends.torch.repeat import capture_repeated, find_repeated_layers
+from metadist.ir.expand import ExpansionError, canonical_names, expand_layers, op_base_name
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, index: int = 0, window: int | None = None) -> None:
+        super().__init__()
+        self.layer_idx = index  # the index alone does not make layers differ
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.window = window
+
+    def forward(self, x):
+        y = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return x + (y if self.window is None else y.clamp(-self.window, self.window))
+
+
+class Deep(nn.Module):
+    def __init__(self, layers: int, width: int = 8, odd_layer: int | None = None, windowed: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, width)
+        self.blocks = nn.ModuleList(Block(width, i, 1 if i == windowed else None) for i in range(layers))
+        self.head = nn.Linear(width, 16)
+        self.odd_layer = odd_layer
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index == self.odd_layer:  # the step treats one layer differently, invisibly to the layers themselves
+                x = 2 * x
+        return self.head(x)
+
+
+def step(model, optimizer, batch):
+    logits = model(batch["tokens"])
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _inputs(layers: int, odd_layer: int | None = None):
+    torch.manual_seed(0)
+    model = Deep(layers, odd_layer=odd_layer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 16, (2, 5))
+    return model, optimizer, {"tokens": tokens, "labels": tokens}
+
+
+def test_expanded_graph_equals_the_whole_capture(caplog):
+    model, optimizer, batch = _inputs(6)
+    with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
+        expanded = capture_repeated(step, model, optimizer, batch, name="deep", min_layers=5)
+    assert "on 4 of its 6 layers" in caplog.text
+    whole = capture_step(step, model, optimizer, batch, name="deep").graph
+    assert expanded == whole  # same nodes, names, inputs, outputs: the same fingerprint
+    assert len(model.blocks) == 6 and len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
+def test_a_layer_that_behaves_differently_is_caught_and_captured_whole(caplog):
+    model, optimizer, batch = _inputs(6, odd_layer=2)  # layer 2 doubles its branch: the self-check sees it
+    with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
+        graph = capture_repeated(step, model, optimizer, batch, name="deep", min_layers=5)
+    assert "capturing deep whole" in caplog.text and "do not expand" in caplog.text
+    assert graph == capture_step(step, model, optimizer, batch, name="deep").graph
+
+
+def test_shallow_models_are_captured_whole(caplog):
+    model, optimizer, batch = _inputs(5)
+    with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
+        capture_repeated(step, model, optimizer, batch, name="deep")  # fewer than MIN_LAYERS_TO_EXPAND
+    assert "expanded" not in caplog.text
+
+
+def test_repeated_layers_are_found_only_when_identical_and_unshared():
+    assert find_repeated_layers(Deep(3)).path == "blocks"
+    mixed = Deep(3)
+    mixed.blocks[1] = nn.Sequential(nn.Linear(8, 8))
+    assert find_repeated_layers(mixed) is None
+    shared = Deep(3)
+    shared.blocks[2].up.weight = shared.blocks[0].up.weight
+    assert find_repeated_layers(shared) is None
+    # one layer set apart by a setting beyond the four captured ones (as a global layer every sixth)
+    assert find_repeated_layers(Deep(8, windowed=5)) is None
+
+
+def test_expansion_refuses_a_graph_without_the_captured_layers():
+    model, optimizer, batch = _inputs(3)
+    graph = capture_step(step, model, optimizer, batch).graph
+    with pytest.raises(ExpansionError, match="belong to layers \\[0, 1, 2\\]"):
+        expand_layers(graph, "blocks.", 10)
+
+
+def test_canonical_names_depend_on_the_op_sequence_only():
+    model, optimizer, batch = _inputs(2)
+    graph = capture_step(step, model, optimizer, batch).graph
+    again, renamed = canonical_names(graph)
+    assert again == graph and all(old == new for old, new in renamed.items())  # captures are canonical already
+    seen: dict[str, int] = {}
+    for node in graph.nodes:
+        base = op_base_name(node.op.target)
+        assert node.name == (base if base not in seen else f"{base}_{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
