@@ -64,6 +64,11 @@ class CompileOptions:
     ``first`` (the first call of each compiled shape), ``always`` (every call; for debugging) or ``never``."""
     max_cached: int = 8
     """Compiled variants kept (one per batch shape, training/eval mode and optimizer structure)."""
+    precision: Any = None
+    """Mixed precision policy: ``"bf16"`` or ``"fp16"`` (float32 master weights and optimizer state, computation in
+    16 bits, gradients reduced in float32: FSDP2's MixedPrecisionPolicy), a ``metadist.PrecisionPolicy``, or None
+    (as the step is written; a step under ``torch.autocast`` is captured as such). A float16 step should scale its
+    loss with a ``torch.amp.GradScaler``, which is captured."""
 
     def __post_init__(self) -> None:
         if self.batch not in ("global", "local"):
@@ -72,6 +77,10 @@ class CompileOptions:
             raise ValueError(f"verify_batch={self.verify_batch!r}: choose 'first', 'always' or 'never'")
         if self.max_cached < 1:
             raise ValueError(f"max_cached must be at least 1, got {self.max_cached}")
+        from .ir import PrecisionPolicy
+
+        if self.precision is not None and not isinstance(self.precision, PrecisionPolicy):
+            object.__setattr__(self, "precision", PrecisionPolicy.named(str(self.precision)))
 
 
 class CompiledTrainStep:
@@ -190,7 +199,8 @@ class CompiledTrainStep:
         check_same_structure(model, optimizer)  # before planning: rank 0's plan must fit every rank's graph
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
-        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"))
+        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"),
+                                  precision=self.options.precision)
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,

@@ -69,8 +69,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole group up to N times when a rank dies or hangs past --timeout-s; with "
                              "--checkpoint-dir it resumes from the newest complete checkpoint")
+    add_precision_arguments(parser)
+    parser.add_argument("--no-loss-scaling", action="store_true",
+                        help="with --precision fp16: no GradScaler (gradients may underflow: MetaDist warns)")
     add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="mixed precision: float32 master weights and optimizer state, computation in bf16 or fp16 "
+                             "(fp16 with a GradScaler), gradients reduced in --reduce-dtype (default: as the step is written)")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="the dtype gradients are reduced in across devices (default fp32 with --precision bf16/fp16)")
 
 
 def add_log_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +127,12 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         command += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
     if getattr(args, "checkpoint_every", 0):
         command += ["--checkpoint-every", str(args.checkpoint_every)]
+    if getattr(args, "precision", None):
+        command += ["--precision", args.precision]
+    if getattr(args, "reduce_dtype", None):
+        command += ["--reduce-dtype", args.reduce_dtype]
+    if getattr(args, "no_loss_scaling", False):
+        command.append("--no-loss-scaling")
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command

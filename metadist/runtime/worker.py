@@ -66,6 +66,12 @@ class WorkerConfig:
     """Save checkpoints here and resume from the newest complete one (a restarted group continues from it)."""
     checkpoint_every: int = 0
     """Save every this many steps (and after the last); 0 with a checkpoint folder: only after the last."""
+    precision: str | None = None
+    """``fp32``, ``bf16`` or ``fp16`` (a mixed precision policy, :mod:`metadist.ir.precision`); None: as written."""
+    reduce_dtype: str | None = "default"
+    """The policy's gradient reduce dtype (``default``: float32 for mixed policies)."""
+    loss_scaling: bool = True
+    """With ``fp16``: scale the loss with a ``torch.amp.GradScaler`` (False shows the underflow warning)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -88,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--reduce-dtype", default="default")
+    parser.add_argument("--no-loss-scaling", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -101,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         compile_backend=args.compile_backend, device=args.device, init_seed=args.init_seed,
         bucket_cap_bytes=bytes_from_mib(args.bucket_cap_mb),
         overlap=not args.no_overlap, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        precision=args.precision, reduce_dtype=args.reduce_dtype, loss_scaling=not args.no_loss_scaling,
     )
 
 
@@ -119,16 +129,21 @@ def run_worker(config: WorkerConfig) -> int:
     enter("load")
     workload = _load_workload(config)
     optimizer = workload.optimizer(workload.model.parameters())
-    train_step = workload.train_step()
+    policy = _policy(config)
+    train_step = _train_step(config, workload, policy, device_mesh)
     start = _one_start(workload, optimizer, device_mesh)
     reporter.note(start.describe())
+    if config.precision is not None:
+        reporter.note(f"precision {policy.describe()}" + ("; loss scaled by a GradScaler" if _scales_loss(config, policy) else ""))
     plan_source = read_plan_source(config.plan)
     enter("capture")
-    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step")
+    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check,
+                              name=workload.name or "step", precision=policy)
     compare_grads = config.check
     if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
-        without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step")
+        without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step",
+                                     precision=policy)
         if plan_source.graph_fingerprint == graph_fingerprint(without_grads.graph):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
@@ -140,7 +155,7 @@ def run_worker(config: WorkerConfig) -> int:
     plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
     enter("reference run", quiet=not config.check)
-    reference = _reference(config, workload, train_step) if config.check else None
+    reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy) if config.check else None
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
@@ -155,6 +170,8 @@ def run_worker(config: WorkerConfig) -> int:
         loss = compiled(workload.model, optimizer, workload.batch)
         losses.append(float(loss))
         reporter.step(step, losses[-1], time.perf_counter() - started)
+        if compiled.precision_warning and step == start:
+            reporter.note(f"warning: {compiled.precision_warning}")
         if checkpointer is not None and ((step + 1) % checkpointer.every == 0 or step + 1 == config.steps):
             checkpointer.save(step + 1, workload.model, optimizer)
             reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
@@ -221,11 +238,30 @@ def _load_workload(config: WorkerConfig):
     return load_workload(config.model)
 
 
-def _reference(config: WorkerConfig, workload, train_step):
+def _reference(config: WorkerConfig, workload, train_step, policy):
     from .check import reference_run
 
     return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed,
-                         init_seed=config.init_seed)
+                         init_seed=config.init_seed, precision=policy)
+
+
+def _policy(config: WorkerConfig):
+    from ..ir import PrecisionPolicy
+
+    if config.precision is None:
+        return PrecisionPolicy() if config.reduce_dtype in ("default", None) else PrecisionPolicy.named("fp32", config.reduce_dtype)
+    return PrecisionPolicy.named(config.precision, config.reduce_dtype)
+
+
+def _scales_loss(config: WorkerConfig, policy) -> bool:
+    return policy.needs_loss_scaling and config.loss_scaling
+
+
+def _train_step(config: WorkerConfig, workload, policy, device_mesh):
+    """The workload's step; under fp16 with a GradScaler of its own (each call: a fresh scaler, for the reference too)."""
+    if not _scales_loss(config, policy):
+        return workload.train_step()
+    return workload.train_step(scaler=torch.amp.GradScaler(device_mesh.device_type))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -544,6 +544,18 @@ def _passes(call: OpCall, executor: OpExecutor, draw: _Draw, index: int, op: str
     return True
 
 
+def coarser_dtype(output_dtype: str, input_dtype: str) -> str:
+    """The dtype a partial pass is judged in: the output's, or the partial input's where that is coarser.
+
+    The parts of a ``bfloat16`` input add up to the whole only within ``bfloat16`` rounding, so an op that
+    widens them (the ``float32`` cast a mixed-precision gradient goes through before its reduction) cannot
+    reproduce the whole more closely than that: its pass is held to ``bfloat16``'s tolerance.
+    """
+    if tolerance_for(input_dtype).exact:
+        return output_dtype
+    return max((output_dtype, input_dtype), key=lambda dtype: tolerance_for(dtype).rtol)
+
+
 def _parts_recombine(call: OpCall, executor: OpExecutor, draw: _Draw, index: int, parts, op: str) -> bool:
     results = []
     try:
@@ -558,7 +570,7 @@ def _parts_recombine(call: OpCall, executor: OpExecutor, draw: _Draw, index: int
         if whole is None:
             continue
         pieces = [outputs[position] for outputs in results]
-        dtype = call.node.outputs[position].spec.dtype  # type: ignore[union-attr]
+        dtype = coarser_dtype(call.node.outputs[position].spec.dtype, call.input_specs[index].dtype)  # type: ignore[union-attr]
         if any(p is None or p.shape != whole.shape for p in pieces):
             return False
         stacked = np.stack(pieces)
