@@ -156,6 +156,14 @@ class CompiledTrainStep:
         changed = [part for part, new, old in zip(parts, (key[:2],) + key[2:], (last[:2],) + last[2:]) if new != old]
         return f"{', '.join(changed) or 'inputs'} changed since the last compiled variant"
 
+    def batch_layout(self) -> dict[str, str]:
+        """How the current variant's plan splits each batch leaf (by path), and, with ``batch='local'``, whether a
+        rank's slice is its piece as it is or the slices are all-gathered each step."""
+        from .runtime.step import batch_layout
+
+        self._require_compiled()
+        return batch_layout(self.compiled)
+
     @property
     def plan(self) -> Plan:
         self._require_compiled()

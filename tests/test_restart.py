@@ -83,11 +83,7 @@ def _losses(stdout: str) -> dict[int, str]:
 
 
 def _final_state(checkpoints: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = checkpoints.parent / f"{checkpoints.name}-final.pt"
-    dcp_to_torch_save(checkpoints / f"step-{STEPS:08d}", target)
-    return torch.load(target, weights_only=False)
+    return _final_state_at(checkpoints, STEPS)
 
 
 def _flat(tree, prefix=""):
@@ -181,3 +177,93 @@ rank0_print("OK checkpointer")
 finish()
 """, args=(str(tmp_path / "ckpt"),))
     assert "OK checkpointer" in result.stdout
+
+
+USER_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import torch.distributed as dist
+    import metadist
+
+    out, kill_at = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.1), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(16, 32, generator=g), "y": torch.randint(0, 4, (16,), generator=g)}
+
+    @metadist.compile(mesh=(2,), timeout_s=30)
+    def train_step(model, optimizer, batch):
+        loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        return loss
+
+    checkpointer = metadist.Checkpointer(out, every=2)
+    train_step.prepare(model, optimizer, batch)
+    start = checkpointer.restore(model, optimizer, scheduler=scheduler)
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    for step in range(start, 10):
+        if attempt == 0 and step == kill_at and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the machine took this rank away
+        loss = train_step(model, optimizer, batch)
+        scheduler.step()
+        if dist.get_rank() == 0:
+            print(f"attempt {attempt} step {step} loss {loss.item():.8f}", flush=True)
+        checkpointer.maybe_save(step + 1, model, optimizer, scheduler=scheduler)
+    dist.barrier()
+    dist.destroy_process_group()
+    from metadist.runtime.setup import exit_process
+    exit_process(0)
+    """
+)
+
+
+def test_a_users_torchrun_script_survives_a_killed_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, kill_at in (("plain", -1), ("killed", 5)):
+        out = tmp_path / name
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+             str(script), str(out), str(kill_at)], capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = (result.stdout, out)
+    assert "attempt 1 step 4" in runs["killed"][0], runs["killed"][0]  # resumed from the step-4 checkpoint
+    losses = {name: dict(re.findall(r"step (\d+) loss (\S+)", stdout)) for name, (stdout, _) in runs.items()}
+    assert losses["killed"] == losses["plain"]
+    final = {name: dict(_flat(_final_state_at(out, 10))) for name, (_, out) in runs.items()}
+    assert final["killed"].keys() == final["plain"].keys()
+    assert all(torch.equal(final["killed"][key], value) for key, value in final["plain"].items())
+
+
+def _final_state_at(checkpoints: Path, step: int) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = checkpoints.parent / f"{checkpoints.name}-final.pt"
+    dcp_to_torch_save(checkpoints / f"step-{step:08d}", target)
+    return torch.load(target, weights_only=False)
+
+
+def test_a_checkpoint_resumes_on_another_world_size_and_mesh(tmp_path, uninterrupted):
+    """Saved by 2 ranks, resumed by 4 on a 2x2 mesh: replanned, DCP reshards, the run continues where it was."""
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    checkpoints = tmp_path / "ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "metadist.cli.main", "run", str(model), "--checkpoint-dir", str(checkpoints),
+            "--log-dir", str(tmp_path / "logs")]
+    first = subprocess.run(base + ["--nproc", "2", "--steps", "8"], capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = subprocess.run(base + ["--nproc", "4", "--mesh", "2x2", "--steps", str(STEPS), "--checkpoint-every", "4"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert re.search(r"resumed from .*step-00000008", second.stdout.replace("\n", "")), second.stdout[-3000:]
+    losses, _ = uninterrupted
+    resumed = _losses(second.stdout)
+    assert sorted(resumed) == list(range(8, STEPS))
+    for step, loss in resumed.items():  # another world size sums in another order: equal within fp32 rounding
+        assert abs(float(loss) - float(losses[step])) <= 1e-5 * abs(float(losses[step])), (step, loss, losses[step])

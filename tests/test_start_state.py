@@ -112,7 +112,9 @@ for step in range(3):
     assert abs(loss - want) < 1e-5, (step, loss, want)
 worst = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
 assert worst < 1e-5, worst
-rank0_print("OK local-batch", f"max param diff {{worst:.1e}}")
+layout = train_step.batch_layout()
+assert set(layout) == {{".x", ".y"}} and all("slice" in text for text in layout.values()), layout
+rank0_print("OK local-batch", f"max param diff {{worst:.1e}}", layout)
 finish()
 """, nproc=nproc)
     assert "OK local-batch" in result.stdout

@@ -258,3 +258,51 @@ def test_real_layouts_follow_the_traced_layouts():
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )
     assert_same_as_eager(workload)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):  # (B, 4) -> (B, 4)
+        h = self.fc(x)
+        if h.sum() > 0:  # a Python decision on a value: not capturable
+            return h * 2
+        return h
+
+
+def _plain_step(model, optimizer, batch):
+    loss = model(batch["x"]).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_step_that_cannot_be_captured_names_the_line_the_module_and_the_way_out():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Branchy())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError) as caught:
+        capture_step(_plain_step, model, optimizer, {"x": torch.randn(2, 4)})
+    message = str(caught.value)
+    assert "test_torch_capture.py" in message and "if h.sum() > 0" in message
+    assert "in module '1' (_Branchy)" in message and "torch.where" in message
+
+
+def test_an_op_without_a_fake_kernel_is_named_with_the_way_out():
+    library = torch.library.Library("metadist_test_nofake", "DEF")
+    library.define("double(Tensor x) -> Tensor")
+    library.impl("double", lambda x: x * 2, "CPU")
+
+    class Doubler(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.metadist_test_nofake.double(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Doubler())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError) as caught:
+        capture_step(_plain_step, model, optimizer, {"x": torch.randn(2, 4)})
+    message = str(caught.value)
+    assert "metadist_test_nofake.double" in message and "no fake (meta) kernel" in message, message
+    assert "in module '1' (Doubler)" in message and "register_fake" in message, message

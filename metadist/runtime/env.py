@@ -27,6 +27,11 @@ class TorchrunEnv:
     """Host of the rendezvous store."""
     master_port: int
     """Port of the rendezvous store."""
+    restart_count: int = 0
+    """Torchelastic's attempt number (``TORCHELASTIC_RESTART_COUNT``): 0, then one more per restart of the group."""
+    agent_store: bool = False
+    """Whether the store at ``master_addr:master_port`` is the launcher's (``TORCHELASTIC_USE_AGENT_STORE``),
+    shared by every attempt of the group."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -50,6 +55,8 @@ def read_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
             local_rank=int(environ["LOCAL_RANK"]),
             master_addr=environ["MASTER_ADDR"],
             master_port=int(environ["MASTER_PORT"]),
+            restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
     except ValueError as err:
         raise RuntimeSetupError(f"the torchrun environment has a malformed number: {err}") from err

@@ -153,11 +153,7 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
     )
     # as torchrun does: one OpenMP thread per rank unless the user chose otherwise
     threads = "1" if launch.nproc > 1 and "OMP_NUM_THREADS" not in os.environ else ""
-    # Every attempt gets a store of its own: with the rendezvous' shared store, a restarted group could read the
-    # previous attempt's process-group addresses (its keys carry no attempt prefix) and fail to connect.
-    restart_store = "1" if launch.max_restarts else ""
-    with _launcher_log(run_folder / "launcher.log"), _environment(OMP_NUM_THREADS=threads,
-                                                                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=restart_store):
+    with _launcher_log(run_folder / "launcher.log"), _environment(OMP_NUM_THREADS=threads):
         try:
             elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
         except ChildFailedError as err:

@@ -43,9 +43,25 @@ def setup_device_mesh(mesh: Mesh, env: TorchrunEnv, *, timeout_s: float = 120.0)
     if use_cuda:
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if env.agent_store and env.restart_count:
+            dist.init_process_group(backend, timeout=timeout, store=_attempt_store(env, timeout), rank=env.rank,
+                                    world_size=env.world_size)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     log.info("rank %d/%d: %s process group up, mesh %s", env.rank, env.world_size, backend, mesh)
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+
+
+def _attempt_store(env: TorchrunEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's store, with keys of this attempt only.
+
+    Torchelastic's launcher keeps one store for every attempt of a group and hands it to the ranks without an
+    attempt prefix; a restarted group could then read the previous attempt's process-group addresses (its
+    keys are the same) and fail to connect. A prefix per attempt keeps the attempts apart.
+    """
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"metadist/attempt_{env.restart_count}", store)
 
 
 def check_same_everywhere(text: str, what: str) -> str:

@@ -117,6 +117,7 @@ class CompiledStep:
         self._constants: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] = {}
         self._batch_checked = False
+        self._gathered_said: set[str] = set()
         self._draws_random = any(node.op.is_random for node in torch_step.graph.nodes)
         self.broadcast: BroadcastReport | None = None
         """What placing the state broadcast (None until the state is placed)."""
@@ -288,6 +289,11 @@ class CompiledStep:
             )
         if local_batch_is_own_piece(program_input.sharding, program_input.spec.shape, self.plan.mesh.shape):
             return leaf.to(self.device)
+        if slot.key not in self._gathered_said:
+            self._gathered_said.add(slot.key)
+            log.warning("batch='local': the plan places batch leaf %r as %s, not split along dim 0 over every axis "
+                        "in rank order, so each step all-gathers the ranks' slices of it first", slot.key,
+                        _describe_sharding(program_input.sharding))
         whole = gather_batch_dim0(leaf, self.device)
         return shard_full_tensor(whole, program_input.sharding, self.plan.mesh.shape, self.coords)
 
@@ -387,6 +393,23 @@ def local_batch_is_own_piece(sharding: tuple, shape: tuple[int, ...], mesh_shape
             return False
         size *= axis_size
     return bool(shape) and shape[0] % size == 0
+
+
+def _describe_sharding(sharding: tuple) -> str:
+    return "(" + ", ".join(f"S({p.dim})" if isinstance(p, Shard) else "R" for p in sharding) + ")"
+
+
+def batch_layout(step: "CompiledStep") -> dict[str, str]:
+    """How the plan splits each batch leaf, by its path: what a user of ``batch='local'`` passes and what moves."""
+    layout = {}
+    for program_input in step.program.inputs:
+        slot = step._slots[program_input.name]
+        if slot.kind != "batch":
+            continue
+        own = local_batch_is_own_piece(program_input.sharding, program_input.spec.shape, step.plan.mesh.shape)
+        layout[slot.key] = (f"{_describe_sharding(program_input.sharding)} of {program_input.spec.shape}: "
+                            + ("each rank's dim-0 slice is its piece" if own else "slices are all-gathered each step"))
+    return layout
 
 
 def _left_grads_message(names: tuple[str, ...]) -> str:

@@ -176,6 +176,10 @@ def run_worker(config: WorkerConfig) -> int:
             checkpointer.save(step + 1, workload.model, optimizer)
             reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
     enter("report", quiet=True)
+    if not losses:
+        reporter.note(f"the newest checkpoint is at step {start} of --steps {config.steps}: nothing left to run "
+                      "(raise --steps to train further)")
+        return 0
     reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), len(losses))
     reporter.solver_estimate(plan, compiled.comm_records(), len(losses))
     if reference is not None:

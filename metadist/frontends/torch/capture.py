@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
@@ -259,7 +260,8 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
         aten.native_batch_norm.default: _native_batch_norm_as_legit,
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
-    with _user_errors(), fake_mode:
+    modules = _ModuleTracker(model)
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules:
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -518,30 +520,86 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
 @contextlib.contextmanager
-def _user_errors():
-    """Turn failures while tracing the user's step into CaptureErrors that point at the user's code."""
+def _quiet_fake_tensor_log():
+    """Fake tensors log a kernel's failure at ERROR level before raising it; the CaptureError says it once."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+
+
+class _ModuleTracker:
+    """While pass 1 traces, which module of the model is running (for errors: "in module 'h.0.attn' (GPT2Attention)")."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.stack, self.handles = model, [], []
+        self.failed_in: str | None = None
+
+    def __enter__(self) -> "_ModuleTracker":
+        for name, module in self.model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda module, args, name=name: self.stack.append(name)))
+            self.handles.append(module.register_forward_hook(self._leave, always_call=True))
+        return self
+
+    def _leave(self, module, args, output) -> None:
+        if self.stack:
+            name = self.stack.pop()
+            if output is None and self.failed_in is None:  # always_call passes no output when the module raised
+                self.failed_in = name
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def where(self) -> str:
+        name = self.failed_in if self.failed_in is not None else (self.stack[-1] if self.stack else None)
+        if name is None:
+            return ""
+        module = self.model.get_submodule(name) if name else self.model
+        return f" in module {name or '(the root)'!r} ({type(module).__name__})"
+
+
+@contextlib.contextmanager
+def _user_errors(modules: "_ModuleTracker | None" = None):
+    """Turn failures while tracing the user's step into CaptureErrors that point at the user's code and module."""
     try:
         yield
     except (CaptureError, ScalerDiscovered):
         raise
     except _DATA_DEPENDENT as err:
         raise CaptureError(
-            f"the training step has data-dependent Python control flow or output shapes at {_user_frame(err)}: "
-            f"a Python decision on a tensor's value ({type(err).__name__}: {err}). A captured step must run the same "
-            "ops whatever the data: use torch.where instead of `if tensor:`, and keep .item()/.tolist()/nonzero() "
-            "out of the step"
+            f"the training step has data-dependent Python control flow or output shapes at {_user_frame(err)}"
+            f"{_where(modules)}: a Python decision on a tensor's value ({type(err).__name__}: {err}). A captured step "
+            "must run the same ops whatever the data: use torch.where instead of `if tensor:`, and keep "
+            ".item()/.tolist()/nonzero() out of the step"
         ) from err
     except UnsupportedFakeTensorException as err:
-        raise CaptureError(f"the training step uses a tensor MetaDist cannot trace at {_user_frame(err)}: {err}") from err
+        raise CaptureError(f"the training step uses a tensor MetaDist cannot trace at {_user_frame(err)}"
+                           f"{_where(modules)}: {err}") from err
+    except UnsupportedOperatorException as err:
+        raise CaptureError(
+            f"the training step calls {err.func}, which has no fake (meta) kernel, at {_user_frame(err)}{_where(modules)}: "
+            "MetaDist traces the step on shapes without running it. Register one (torch.library.register_fake for a "
+            "custom op) or keep the op out of the step"
+        ) from err
     except Exception as err:  # a user's exception while tracing: say where, keep the cause chained
         if type(err).__name__ == "GuardOnDataDependentSymNode":
             raise CaptureError(
-                f"the training step has data-dependent Python control flow at {_user_frame(err)}: {err}. "
-                "Use torch.where instead of `if tensor:`"
+                f"the training step has data-dependent Python control flow at {_user_frame(err)}{_where(modules)}: "
+                f"{err}. Use torch.where instead of `if tensor:`"
             ) from err
         raise CaptureError(
-            f"the training step failed while being traced, at {_user_frame(err)}: {type(err).__name__}: {err}"
+            f"the training step failed while being traced, at {_user_frame(err)}{_where(modules)}: "
+            f"{type(err).__name__}: {err}"
         ) from err
+
+
+def _where(modules: "_ModuleTracker | None") -> str:
+    return modules.where() if modules is not None else ""
 
 
 def _user_frame(err: BaseException) -> str:
