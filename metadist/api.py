@@ -323,13 +323,14 @@ def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - 
     return CompiledTrainStep(fn, settings)
 
 
-def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[Any, Any]:
+def capture_and_discover(workload: Any, rules_db: str | None = None, precision: Any = None) -> tuple[Any, Any]:
     """A workload's graph and its rules (the rule database at ``rules_db``, default the user cache, caches discovery).
 
     ``workload``: a :class:`metadist.Workload`, a JAX workload, a built-in name or a model file.
     PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*`` built-ins, or a
     model file returning a ``JaxWorkload``) from their jaxpr, with rules discovered by executing
-    the JAX primitives, into the same database.
+    the JAX primitives, into the same database. ``precision``: a mixed precision policy for PyTorch
+    workloads (``"bf16"``, ``"fp16"``, a :class:`metadist.PrecisionPolicy`), applied at capture.
     """
     from .frontends.jax.workload import JaxWorkload
     from .shardcombine.api import rules_from_database
@@ -339,6 +340,8 @@ def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[An
     if isinstance(workload, str):
         workload = load_workload(workload)
     if isinstance(workload, JaxWorkload):
+        if precision is not None:
+            raise ValueError("precision= applies to PyTorch workloads; a JAX step states its dtypes itself")
         from .frontends.jax import capture_jax
         from .frontends.jax.discovery import JaxOpExecutor
 
@@ -350,7 +353,7 @@ def capture_and_discover(workload: Any, rules_db: str | None = None) -> tuple[An
 
         optimizer = workload.optimizer(workload.model.parameters())
         graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
-                             name=workload.name or name or "step").graph
+                             name=workload.name or name or "step", precision=precision).graph
         executor = TorchExecutor()
     return graph, rules_from_database(graph, executor, rules_db)
 
@@ -363,15 +366,23 @@ def plan(
     memory_gb: float | None = None,
     solver: str = "ilp",
     rules_db: str | None = None,
+    precision: Any = None,
 ) -> Plan:
-    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed."""
+    """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed.
+
+    ``precision``: a mixed precision policy (``"bf16"``, ``"fp16"``, a :class:`metadist.PrecisionPolicy`): the step is
+    captured under it and its gradients are reduced in the policy's reduce dtype."""
+    from .ir import PrecisionPolicy
+
     from .cost.cluster import resolve_cluster
     from .solver import plan_graph
 
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh)))
-    graph, rules = capture_and_discover(workload, rules_db)
+    policy = precision if precision is None or isinstance(precision, PrecisionPolicy) else PrecisionPolicy.named(str(precision))
+    graph, rules = capture_and_discover(workload, rules_db, policy)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
-    return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
+    return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver,
+                      reduce_dtype=None if policy is None else policy.reduce_dtype)
 
 
 def _batch_signature(batch: Any) -> tuple:

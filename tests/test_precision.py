@@ -225,3 +225,52 @@ def test_measured_bf16_tolerance_passes_rounding_and_fails_a_missing_reduction()
     halved = want * 0.5  # a gradient summed on one of two ranks only
     report = compare_runs(reference, [2.002], {"w": want}, {"w": halved})
     assert not report.ok and not report.worst().ok and report.worst().name == "grad:w"
+
+
+# -- torch.autocast ------------------------------------------------------------------------------------
+def autocast_step(model, optimizer, batch):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(batch["x"]).square().mean() * batch["weight"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_step_under_autocast_is_captured_as_such_and_reproduces_eager_exactly():
+    model, batch = Tiny(), _batch()
+    eager_model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2)
+    captured = capture_step(autocast_step, model, optimizer, batch)
+    assert any(value.spec.dtype == "bfloat16" for value in captured.graph.iter_values())
+    for _ in range(3):
+        assert torch.equal(captured.run(model, optimizer, batch), autocast_step(eager_model, eager_optimizer, batch))
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_check_of_an_autocast_step_measures_its_rounding_against_the_step_without_autocast():
+    from metadist.runtime.check import reference_run
+
+    reference = reference_run(autocast_step, Tiny(), lambda params: torch.optim.SGD(params, lr=0.1), _batch(), steps=2, seed=0)
+    assert reference.tolerance == MEASURED_TOLERANCES["bfloat16"]
+    assert reference.rounding["grad:fc1.weight"] > 0  # bf16 rounding, measured
+    assert torch.is_autocast_enabled("cpu") is False  # autocast_off restored nothing it should not have
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu")
+
+
+# -- the plan command ------------------------------------------------------------------------------------
+def test_plan_command_plans_under_a_policy_and_refuses_bf16_on_a_device_without_it(tmp_path, capsys):
+    from metadist.cli.main import main
+    from metadist.ir.plan import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--mesh", "2", "--cluster", "a100x8", "--precision", "bf16", "--json", str(out)]) == 0
+    plan = Plan.from_json(out.read_text())
+    assert plan.estimate["step_s"] > 0
+    capsys.readouterr()
+    assert main(["plan", "mlp", "--mesh", "2", "--cluster", "v100x8", "--precision", "bf16"]) == 2
+    error = capsys.readouterr().err
+    assert "bfloat16" in error and "does not support" in error

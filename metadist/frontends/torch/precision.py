@@ -13,13 +13,14 @@ are already flushed to zero): the runtime warns when they are common (:func:`und
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ...ir import PrecisionPolicy
 
-__all__ = ["FLOAT16_SMALLEST_NORMAL", "SUBNORMAL_METRIC", "UNDERFLOW_WARN_FRACTION", "PolicyTrace", "underflow_warning"]
+__all__ = ["autocast_off", "FLOAT16_SMALLEST_NORMAL", "SUBNORMAL_METRIC", "UNDERFLOW_WARN_FRACTION", "PolicyTrace", "underflow_warning"]
 
 SUBNORMAL_METRIC = "fp16_subnormal_grad_elements"
 """Source name of the metric output: float16 parameter-gradient elements in (0, 2**-14)."""
@@ -98,3 +99,23 @@ def policy_of(value: Any) -> PrecisionPolicy:
     if isinstance(value, PrecisionPolicy):
         return value
     return PrecisionPolicy.named(str(value))
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Every ``torch.autocast`` region entered inside is a no-op (capturing a step written under autocast as its
+    float32 twin, which ``--check`` measures the step's rounding against). Class-level, for the capture only."""
+    cls = torch.amp.autocast_mode.autocast
+    saved = cls.__dict__["__enter__"], cls.__dict__["__exit__"]
+
+    def enter(self: Any) -> Any:
+        return self
+
+    def exit_(self: Any, *exc: Any) -> bool:
+        return False
+
+    cls.__enter__, cls.__exit__ = enter, exit_
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = saved
