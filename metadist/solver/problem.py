@@ -27,6 +27,7 @@ from ..cost import (
 )
 from ..ir import Graph, Partial, Replicate, Rule
 from ..ir.plan import NodeStrategy
+from ..cost.bucketing import CAST_OPS
 from .precision import FORBIDDEN_S, reduces_partial, restricted_values
 from .shrink import follower_choice, tie_inputs, tie_nodes
 from .strategies import StrategySet, input_strategies, node_strategies
@@ -180,6 +181,8 @@ def _try_follow(graph, node, sets, compute, where, members, rows, price, facts: 
     if any(value.name in restricted for value in node.output_values):
         return False  # its greedy choice (pass a Partial on) could leave only forbidden reductions: the ILP decides
     value = distinct.pop()
+    if node.op.target in CAST_OPS and graph.producer(value) is None:
+        return False  # a parameter's cast (mixed precision): cast the shard and gather the copy, or not, is the ILP's
     producer = graph.producer(value)
     leader_name = value if producer is None else producer.name
     output_index = 0 if producer is None else [v.name if v else None for v in producer.outputs].index(value)
