@@ -44,6 +44,7 @@ from .optim import (
     optimizer_structure,
 )
 from .precision import PolicyTrace, policy_of
+from .rng_restore import RngRestoreWatch, check_no_replayed_draws
 from .scaler import SCALER_STATE_KEYS, ScalerDiscovered, ScalerTrace, scaler_settings, scaler_state, write_scaler_state
 from .to_ir import InputSlot, fx_to_ir
 
@@ -261,7 +262,8 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules:
+    rng_watch = RngRestoreWatch()
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, rng_watch.active():
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -271,6 +273,7 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
 
     output_roles = traced.output_roles()
     graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
+    check_no_replayed_draws(rng_watch, graph)  # torch.utils.checkpoint replaying dropout: refused, never silently wrong
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
