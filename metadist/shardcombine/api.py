@@ -174,7 +174,8 @@ factors, GPU kernels by equivalence; ops that crash or hang in the isolated work
 6: the torch executor keeps 0-d inputs 0-d (``aten.fill.Tensor`` had no rule);
 7: ops with scalar float inputs get one more draw with scalars above 1 (``lerp.Tensor``'s max/min pass
 of its start held only for weights below 1); 8: a partial pass is judged in the coarser of the output's and the
-partial input's dtype (a bfloat16 gradient's float32 cast passes Partial(sum): its reduction may run in float32)."""
+partial input's dtype (a bfloat16 gradient's float32 cast passes Partial(sum): its reduction may run in float32), and
+the torch executor draws 0-d bfloat16/float16 inputs (they failed as numpy scalars: those ops had no rule)."""
 
 
 def _version_key(executor: OpExecutor) -> str:
