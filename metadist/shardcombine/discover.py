@@ -47,7 +47,7 @@ import numpy as np
 
 from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Reduce, Rule
 from . import attention
-from .combine import check_combine, close, infer_combine, tolerance_for
+from .combine import check_combine, close, coarser_dtype, infer_combine, tolerance_for
 from .executor import ExecutionRefused, OpCall, OpExecutor
 from .halo import halo_factor
 from .shapes import piece_sizes, standin_reshape, standin_shapes
@@ -542,18 +542,6 @@ def _passes(call: OpCall, executor: OpExecutor, draw: _Draw, index: int, op: str
         if not _parts_recombine(call, executor, draw, index, split_value(draw.inputs[index], op, count, rng, crossing), op):
             return False
     return True
-
-
-def coarser_dtype(output_dtype: str, input_dtype: str) -> str:
-    """The dtype a partial pass is judged in: the output's, or the partial input's where that is coarser.
-
-    The parts of a ``bfloat16`` input add up to the whole only within ``bfloat16`` rounding, so an op that
-    widens them (the ``float32`` cast a mixed-precision gradient goes through before its reduction) cannot
-    reproduce the whole more closely than that: its pass is held to ``bfloat16``'s tolerance.
-    """
-    if tolerance_for(input_dtype).exact:
-        return output_dtype
-    return max((output_dtype, input_dtype), key=lambda dtype: tolerance_for(dtype).rtol)
 
 
 def _parts_recombine(call: OpCall, executor: OpExecutor, draw: _Draw, index: int, parts, op: str) -> bool:
