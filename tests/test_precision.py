@@ -274,3 +274,16 @@ def test_plan_command_plans_under_a_policy_and_refuses_bf16_on_a_device_without_
     assert main(["plan", "mlp", "--mesh", "2", "--cluster", "v100x8", "--precision", "bf16"]) == 2
     error = capsys.readouterr().err
     assert "bfloat16" in error and "does not support" in error
+
+
+def test_bf16_on_a_gpu_without_it_is_a_clear_error_before_anything_runs(monkeypatch):
+    from metadist.runtime.errors import RunInputError
+    from metadist.runtime.precision_check import check_device_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    with pytest.raises(RunInputError, match=r"Tesla V100.*compute capability 7\.0.*--precision fp16"):
+        check_device_precision(PrecisionPolicy.named("bf16"), torch.device("cuda", 0))
+    check_device_precision(PrecisionPolicy.named("fp16"), torch.device("cuda", 0))  # float16 it has
+    check_device_precision(PrecisionPolicy.named("bf16"), torch.device("cpu"))

@@ -26,25 +26,3 @@ def test_mixed_precision_run_matches_one_device_under_the_same_policy(precision)
     if precision == "fp16":
         assert "loss scaled by a GradScaler" in output
 
-
-AUTOCAST_MLP = '''
-import torch, metadist
-from metadist.workloads import builtin_workload
-
-def autocast_loss(model, batch):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return torch.nn.functional.cross_entropy(model(batch["inputs"]), batch["targets"])
-
-def workload():
-    mlp = builtin_workload("mlp", optimizer="adamw")
-    return metadist.Workload(model=mlp.model, batch=mlp.batch, loss_fn=autocast_loss, optimizer=mlp.optimizer)
-'''
-
-
-def test_a_step_written_under_autocast_runs_and_matches_one_device(tmp_path):
-    path = tmp_path / "autocast_mlp.py"
-    path.write_text(AUTOCAST_MLP)
-    result = _run(str(path))
-    output = " ".join(result.stdout.split())
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    assert "check: PASS" in output and "bfloat16 rounding measured against float32" in output
