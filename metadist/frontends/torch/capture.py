@@ -80,6 +80,10 @@ class TorchStep:
     because the value looked contiguous) hold only if the real layouts follow the traced ones.
     ``native_group_norm_backward`` on CPU gives wrong results for a non-contiguous gradient."""
     stats: dict = field(default_factory=dict)
+    loss_divisor: str | None = None
+    """The value a mean-reduced loss is divided by when MetaDist can see it: the count (total weight) of the
+    targets a mean cross-entropy counts, which no gradient flows through. A pipeline weights each microbatch's
+    gradients by it, so that microbatches with different counts (masked-LM labels) add up to the whole batch's mean."""
 
     def gather_inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
         """The real tensors for the graph's inputs, in graph order.
@@ -173,15 +177,21 @@ def capture_step(
     *,
     name: str = "step",
     keep_grads: bool = False,
+    raw_grads: bool = False,
 ) -> TorchStep:
     """Capture ``train_step(model, optimizer, batch)``.
 
     ``keep_grads=True`` adds each parameter's gradient (as the optimizer saw
     it) to the outputs with role ``grad``, for checking runs against each other.
+    ``raw_grads=True`` adds instead each gradient as autograd accumulated it at the end of the
+    backward pass (before clipping or the optimizer): a pipeline accumulates these over microbatches
+    and runs the rest of the step (the update) once.
     Nothing of the user's model, optimizer or batch is changed.
     """
     started = time.perf_counter()
     _check_arguments(train_step, model, optimizer, batch)
+    if keep_grads and raw_grads:
+        raise CaptureError("keep_grads and raw_grads both add gradient outputs; ask for one of them")
     spec = optimizer_spec(optimizer) if optimizer is not None else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -222,7 +232,7 @@ def capture_step(
                              state_key=key, index=group_index)
             add(slot, torch.tensor(value, dtype=HYPERPARAMETER_DTYPE))
 
-    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads)
+    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, "raw" if raw_grads else keep_grads)
     decompositions = {
         aten.native_batch_norm.default: _native_batch_norm_as_legit,
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
@@ -250,13 +260,34 @@ def capture_step(
         optimizer_structure=optimizer_structure(optimizer),
         left_grads=tuple(traced.left_grads),
         contiguous_values=contiguous_values,
+        loss_divisor=_loss_divisor(graph),
     )
+
+
+def _loss_divisor(graph: Graph) -> str | None:
+    """The total weight a mean cross-entropy loss output is divided by (see :attr:`TorchStep.loss_divisor`), or None."""
+    losses = graph.outputs_by_role(Role.LOSS)
+    if len(losses) != 1:
+        return None
+    division = graph.producer(losses[0].name)
+    if division is None or division.op.target != "aten.div.Tensor" or len(division.input_names) != 2:
+        return None
+    divisor = division.input_names[1]
+    loss_node = graph.producer(divisor)
+    if loss_node is None or loss_node.op.target != "aten.nll_loss_forward.default":
+        return None
+    weighted = len(loss_node.args) > 2 and loss_node.args[2] is not None
+    if weighted or loss_node.outputs[1] is None or loss_node.outputs[1].name != divisor:
+        return None
+    total = loss_node.outputs[0]
+    return divisor if total is not None and division.input_names[0] == total.name else None
 
 
 class _Pass1:
     """The function pass 1 traces: the user's step over re-parametrised tensors."""
 
     def __init__(self, train_step, model, optimizer, spec, slots, batch_tree, keep_grads) -> None:
+        """``keep_grads``: False, True (the gradients the optimizer saw) or ``"raw"`` (as autograd accumulated them)."""
         self.train_step, self.model, self.optimizer, self.spec = train_step, model, optimizer, spec
         self.slots, self.batch_tree, self.keep_grads = slots, batch_tree, keep_grads
         self.output_tree = None
@@ -283,11 +314,14 @@ class _Pass1:
         batch = pytree.tree_unflatten(batch_leaves, self.batch_tree)
         traced_params = by_kind["param"]
         kept_grads: dict[str, torch.Tensor] = {}
+        raw_grads: dict[str, torch.Tensor] = {}
         mapping = {**traced_params, **by_kind["buffer"]}
         with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
             traced_params, states, hypers, kept_grads
-        ):
+        ), _accumulated_grads(traced_params, raw_grads, self.keep_grads == "raw"):
             result = self.train_step(self.model, self.optimizer, batch)
+        if self.keep_grads == "raw":
+            kept_grads = raw_grads
         leaves, self.output_tree = pytree.tree_flatten(result)
         outputs = []
         self.user_roles = []
@@ -314,6 +348,7 @@ class _Pass1:
 
     def output_roles(self) -> list[tuple[Role, str]]:
         return self.user_roles + [(Role.GRAD, f"grad:{name}") for name in self.grad_names]
+
 
     @contextlib.contextmanager
     def _optimizer_hooks(self, traced_params, states, hypers, kept_grads):
@@ -369,6 +404,28 @@ class _Pass1:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _accumulated_grads(traced_params: dict[str, torch.Tensor], found: dict[str, torch.Tensor], enabled: bool):
+    """Record into ``found`` each parameter's ``.grad`` right after autograd accumulates into it (the last time)."""
+    if not enabled:
+        yield
+        return
+
+    def hook(name: str):
+        def record(tensor: torch.Tensor) -> None:
+            found[name] = tensor.grad
+        return record
+
+    handles = [tensor.register_post_accumulate_grad_hook(hook(name))
+               for name, tensor in traced_params.items() if tensor.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
 
 
 _MEAN_REDUCTION = 1
