@@ -24,16 +24,18 @@ class Partition:
     layout: StageLayout
     candidates: CutCandidates
     segment_seconds: tuple[float, ...]
-    """Seconds of each finest segment (its forward, backward and update nodes on one device)."""
+    """Seconds of each finest segment over a step (its forward and backward nodes per microbatch, its update once,
+    on one device)."""
 
 
 def partition(graph: Graph, regions: Regions, stages: int, cluster: Cluster, pp_link: Link,
-              candidates: CutCandidates | None = None) -> Partition:
-    """Cuts that balance the stages' seconds on one device of ``cluster``, sends over ``pp_link`` priced in."""
+              candidates: CutCandidates | None = None, microbatches: int = 1) -> Partition:
+    """Cuts that balance the stages' seconds over a step of ``microbatches`` on one device of ``cluster``, sends over
+    ``pp_link`` priced in: a stage's forward and backward nodes and its sends count once per microbatch, its update once."""
     candidates = cut_candidates(graph, regions) if candidates is None else candidates
     check_stage_count(candidates, stages)
-    segments = segment_seconds(graph, regions, candidates, cluster)
-    crossing = [2 * (pp_link.call_overhead_s + pp_link.latency_s + nbytes / pp_link.bandwidth_bytes_per_s)
+    segments = segment_seconds(graph, regions, candidates, cluster, microbatches)
+    crossing = [2 * microbatches * (pp_link.call_overhead_s + pp_link.latency_s + nbytes / pp_link.bandwidth_bytes_per_s)
                 for nbytes in candidates.crossing_bytes]  # the activation up, its gradient down
     chosen = balanced_cuts(segments, crossing, stages)
     positions = tuple(candidates.positions[index] for index in chosen)
@@ -41,11 +43,14 @@ def partition(graph: Graph, regions: Regions, stages: int, cluster: Cluster, pp_
     return Partition(positions, placement, layout_stages(graph, regions, placement), candidates, tuple(segments))
 
 
-def segment_seconds(graph: Graph, regions: Regions, candidates: CutCandidates, cluster: Cluster) -> list[float]:
-    """Seconds of each finest segment: nodes placed with every candidate cut taken, priced on one device."""
+def segment_seconds(graph: Graph, regions: Regions, candidates: CutCandidates, cluster: Cluster,
+                    microbatches: int = 1) -> list[float]:
+    """Seconds of each finest segment over a step: nodes placed with every candidate cut taken, priced on one device,
+    forward and backward nodes ``microbatches`` times, update nodes once."""
     count = candidates.max_stages
     placement = place_nodes(graph, regions, stage_of_forward(regions, candidates.positions), count)
     seconds = [0.0] * count
     for name, segment in placement.stage.items():
-        seconds[segment] += node_seconds(graph, name, cluster)
+        times = 1 if placement.phase[name] == "update" else microbatches
+        seconds[segment] += times * node_seconds(graph, name, cluster)
     return seconds
