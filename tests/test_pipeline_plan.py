@@ -120,6 +120,13 @@ def test_search_chooses_and_explains(rules_db):
     assert labels == ["no pipeline", "pp=2 m=2 1f1b", "pp=2 m=2 gpipe"]
     assert result.chosen is not None and result.chosen.fits
     assert result.chosen.step_s == min(c.step_s for c in result.candidates if c.fits)
+    from metadist.solver.pipeline.search import _lower_bounds, pipeline_mesh
+
+    graph, _, divisor = graphs(1, True)
+    bound = _lower_bounds(graph, divisor, cluster_for("h100-ib", pipeline_mesh(1, 2, 8)), 2)
+    for c in result.candidates:  # the bound that prunes the search holds for every plan it made
+        assert 0 < bound(c.pp, c.microbatches) <= c.step_s
+    assert bound(2, 2) > bound(2, 8) > bound(1, 1)
     text = result.explain()
     assert "chosen:" in text and "no pipeline" in text and "pp=2 m=2 gpipe" in text
     pp = [c for c in result.candidates if c.pp == 2]
@@ -170,3 +177,21 @@ def test_cli_plans_a_pipeline_and_refuses_to_run_one(rules_db, capsys, tmp_path)
     assert "pp=4 does not divide the 6 devices" in capsys.readouterr().err
     assert main(["run", "llama-tiny", "--nproc", "4", "--mesh", "pp=2,dp=2", "--check"]) == 2
     assert "pipelined execution is not supported yet" in capsys.readouterr().err
+
+
+def test_pipeline_planning_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'jax'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import metadist.solver.pipeline, metadist.ir.pipeline, metadist.ir.stage_graphs\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

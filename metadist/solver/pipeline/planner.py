@@ -206,12 +206,14 @@ def plan_pipeline(
     solver: str = "ilp",
     time_limit_s: float = 60.0,
     the_partition: Partition | None = None,
+    stage_planner: Any = None,
 ) -> PipelinePlan:
     """Plan ``graph`` (one microbatch, gradients marked) as a pipeline on ``cluster`` (its mesh has a ``pp`` axis).
 
     ``microbatches``: how many microbatches a step runs (the caller captured ``graph`` on one of them);
     ``memory_budget_bytes``: per device, None for the device's capacity, ``inf`` for none. A stage that cannot fit
-    raises :class:`InfeasibleBudgetError` naming the stage.
+    raises :class:`InfeasibleBudgetError` naming the stage. ``stage_planner(graph, rules, cluster, budget)``: plans each
+    stage instead of the ILP (a hand layout such as Megatron's TP, for comparisons); default :func:`plan_graph`.
     """
     from ... import __version__
 
@@ -234,7 +236,7 @@ def plan_pipeline(
         stage_missing = {name: reason for name, reason in missing.items() if name in {n.name for n in graph_s.nodes}}
         began = time.perf_counter()
         plan, figure = _plan_stage(graph_s, stage, _StageRules(stage_rules, stage_missing), stage_cluster, budget, schedule,
-                                   stages, microbatches, solver, time_limit_s)
+                                   stages, microbatches, solver, time_limit_s, stage_planner)
         solve_s.append(time.perf_counter() - began)
         planned.append(replace(stage, plan=plan))
         figures.append(figure)
@@ -270,20 +272,24 @@ def _crossing(cut: Partition, position: int) -> str:
 
 
 def _plan_stage(graph: Graph, stage: Stage, rules, cluster: Cluster, budget: float, schedule: str, stages: int,
-                microbatches: int, solver: str, time_limit_s: float) -> tuple[Plan, StageFigures]:
+                microbatches: int, solver: str, time_limit_s: float, stage_planner: Any = None) -> tuple[Plan, StageFigures]:
     """The stage's plan under a budget that leaves room for the microbatches the schedule keeps in flight."""
     extra = in_flight(schedule, stages, stage.index, microbatches) - 1
     stage_budget = budget
     for _ in range(MAX_MEMORY_ROUNDS):
         try:
-            plan = plan_graph(graph, rules, cluster, memory_budget_bytes=stage_budget, solver=solver, time_limit_s=time_limit_s)
+            if stage_planner is not None:
+                plan = stage_planner(graph, rules, cluster, stage_budget)
+            else:
+                plan = plan_graph(graph, rules, cluster, memory_budget_bytes=stage_budget, solver=solver,
+                                  time_limit_s=time_limit_s)
         except InfeasibleBudgetError as error:
             raise InfeasibleBudgetError(budget, error.minimum_bytes,
                                         f" (pipeline stage {stage.index} of {stages}: {len(stage.forward)} forward nodes; "
                                         "more stages or a larger sub-mesh give each stage less to hold)") from None
         figure = stage_figures(graph, stage, plan, cluster)
         total = figure.memory_bytes + extra * figure.saved_bytes
-        if budget == float("inf") or total <= budget * (1 + 1e-9) or extra == 0:
+        if budget == float("inf") or total <= budget * (1 + 1e-9) or extra == 0 or stage_planner is not None:
             return plan, figure
         stage_budget = budget - extra * figure.saved_bytes
         if stage_budget <= 0:

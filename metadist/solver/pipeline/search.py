@@ -11,6 +11,9 @@ plans every candidate with the same machinery and cost model:
   schedules priced on those stage plans (GPipe holds ``m`` microbatches per stage, 1F1B at most
   ``pp - i``; their times agree in this model, so GPipe is chosen only where it ties and fits).
 
+Candidates are planned in the order of a lower bound on their step time (the step's compute split
+perfectly over every device, stretched by the pipeline's fill and drain); one whose bound is no
+better than the fastest fitting plan found so far is not planned (it is listed, with the bound).
 The fastest candidate that fits the memory budget wins; ties go to less memory. The result keeps
 every candidate's figures (:meth:`PipelineSearch.explain` prints them with the reason for the
 choice: bubble fraction, per-stage seconds and memory, bytes sent between stages).
@@ -29,7 +32,7 @@ from ...ir.pipeline import PP_AXIS, PipelinePlan
 from ...ir.plan import Plan
 from ..errors import InfeasibleBudgetError, PipelineError, SolverError
 from ..planner import plan_graph
-from .cuts import cut_candidates
+from .cuts import cut_candidates, node_seconds
 from .planner import pipeline_cluster, pipeline_estimate, plan_pipeline, stage_figures
 from .regions import split_regions
 
@@ -173,24 +176,65 @@ def search_pipeline(
         if pp > max_stages:
             raise PipelineError(f"pp={pp} needs {pp - 1} cuts, but this step can be cut into at most {max_stages} stages "
                                 "(one activation alone crosses only at layer boundaries); use a smaller pp degree")
-    candidates: list[Candidate] = []
+    points = []
     for pp in pp_degrees:
-        mesh = pipeline_mesh(pp, devices, per_node)
-        if pp == 1:
-            candidates.append(_whole(graph_for, mesh, cluster_for(mesh), memory_budget_bytes, time_limit_s))
-            continue
-        counts = list(microbatches) if microbatches is not None else microbatch_counts(global_batch, pp, most_microbatch_counts)
+        counts = [1] if pp == 1 else (
+            list(microbatches) if microbatches is not None else microbatch_counts(global_batch, pp, most_microbatch_counts))
         for m in counts:
             if global_batch % m:
                 raise PipelineError(f"{m} microbatches do not divide the batch of {global_batch}; counts that fit: "
                                     f"{', '.join(str(d) for d in range(1, global_batch + 1) if global_batch % d == 0)}")
+            points.append((pp, m))
+    bound = _lower_bounds(first, divisor, cluster_for(pipeline_mesh(1, devices, per_node)), devices)
+    points.sort(key=lambda point: bound(*point))
+    candidates: list[Candidate] = []
+    for pp, m in points:
+        mesh = pipeline_mesh(pp, devices, per_node)
+        fitting = [c.step_s for c in candidates if c.fits]
+        if fitting and bound(pp, m) >= min(fitting):
+            candidates.append(Candidate(pp, m, "-" if pp == 1 else "1f1b", mesh, error=(
+                f"not planned: no plan of it can beat {min(fitting):.4g} s (its compute alone, split perfectly over "
+                f"{devices} devices with its bubble, takes {bound(pp, m):.4g} s)")))
+            continue
+        began = time.perf_counter()
+        if pp == 1:
+            candidates.append(_whole(graph_for, mesh, cluster_for(mesh), memory_budget_bytes, time_limit_s))
+        else:
             candidates.extend(_pipelined(graph_for, pp, m, mesh, cluster_for(mesh), memory_budget_bytes, time_limit_s))
+        logger.info("pipeline search: pp=%d m=%d on %s planned in %.1f s: %s", pp, m, mesh, time.perf_counter() - began,
+                    candidates[-1])
     fitting = [c for c in candidates if c.fits]
     chosen = min(fitting, key=lambda c: (c.step_s, c.memory_bytes, c.schedule != "1f1b")) if fitting else None
     budget = cluster_for(pipeline_mesh(1, devices, per_node)).device.memory_capacity_bytes \
         if memory_budget_bytes is None else memory_budget_bytes
     return PipelineSearch(devices, tuple(candidates), chosen, None if budget == float("inf") else budget,
                           time.perf_counter() - started)
+
+
+def _lower_bounds(graph: Graph, divisor: str | None, cluster: Cluster, devices: int):
+    """``bound(pp, m)``: seconds no plan of that point can beat (see :func:`search_pipeline`).
+
+    The whole batch's forward and backward seconds on one device (roofline, ``graph`` holds the whole batch as one
+    microbatch) split perfectly over every device and stretched by the fill and drain, ``(m + pp - 1) / m``, plus
+    the update split perfectly. A stage's sharded node is never faster than the whole node over the devices
+    sharing it, and a microbatch's never faster than its share of the batch's, so no plan beats it.
+    """
+    regions = split_regions(graph, divisor)
+    update, drawn = set(regions.update), set(regions.random)  # drawn values enter a stage's plan as inputs: left out
+    per_step = per_microbatch = 0.0
+    for node in graph.nodes:
+        if node.name in drawn:
+            continue
+        seconds = node_seconds(graph, node.name, cluster)
+        if node.name in update:
+            per_step += seconds
+        else:
+            per_microbatch += seconds
+
+    def bound(pp: int, m: int) -> float:
+        return (per_microbatch * (m + pp - 1) / m + per_step) / devices
+
+    return bound
 
 
 def _whole(graph_for, mesh: Mesh, cluster: Cluster, budget, time_limit_s) -> Candidate:
