@@ -195,3 +195,59 @@ def test_pipeline_planning_imports_no_framework():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("pp,microbatches,preset", [(2, 2, "cpu-gloo"), (4, 4, "h100-ib")])
+def test_stages_compute_the_step_over_microbatches(pp, microbatches, preset, rules_db):
+    """The plan's stages, run in one process with only what each stage holds or is sent, give one device's step."""
+    import torch
+
+    from metadist.frontends.torch.execute import execute_graph
+    from metadist.frontends.torch.pipeline_reference import run_pipeline_reference
+    from metadist.ir import Role
+
+    graphs = microbatch_graphs("llama-tiny", rules_db)
+    graph, rules, divisor = graphs(microbatches, True)
+    plan = plan_pipeline(graph, rules, cluster_for(preset, Mesh((pp,), ("pp",))), microbatches=microbatches,
+                         loss_divisor=divisor, time_limit_s=20)
+    workload = graphs.workload
+    optimizer = workload.optimizer(workload.model.parameters())
+    from metadist.frontends.torch import capture_step
+    from metadist.frontends.torch.microbatch import first_microbatch
+
+    step = capture_step(workload.train_step(), workload.model, optimizer, first_microbatch(workload.batch, microbatches),
+                        name=workload.name, raw_grads=True)
+    got = run_pipeline_reference(step, plan, workload.model, optimizer, workload.batch)
+    whole, _, _ = graphs(1, True)
+    whole_step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name,
+                              raw_grads=True)
+    outputs = execute_graph(whole, whole_step.gather_inputs(workload.model, optimizer, workload.batch))
+    compared = 0
+    for output, value in zip(whole.outputs, outputs):
+        if output.role is Role.LOSS:
+            torch.testing.assert_close(got["loss"], value, rtol=1e-6, atol=1e-6)
+        elif output.replaces is not None:
+            torch.testing.assert_close(got["state"][output.replaces], value, rtol=1e-4, atol=1e-5)
+            compared += 1
+        elif output.role is Role.GRAD:
+            torch.testing.assert_close(got["grads"][output.source.removeprefix("grad:")], value, rtol=1e-4, atol=1e-6)
+            compared += 1
+    assert compared == len(got["state"]) + len(got["grads"]) and len(got["state"]) > 0
+
+
+def test_reference_refuses_random_ops(rules_db):
+    from metadist.frontends.torch import capture_step
+    from metadist.frontends.torch.pipeline_reference import run_pipeline_reference
+
+    graphs = microbatch_graphs("gpt2-tiny", rules_db)
+    graph, rules, divisor = graphs(2, True)
+    plan = plan_pipeline(graph, rules, cluster_for("cpu-gloo", Mesh((2,), ("pp",))), microbatches=2,
+                         loss_divisor=divisor, time_limit_s=20)
+    workload = graphs.workload
+    optimizer = workload.optimizer(workload.model.parameters())
+    from metadist.frontends.torch.microbatch import first_microbatch
+
+    step = capture_step(workload.train_step(), workload.model, optimizer, first_microbatch(workload.batch, 2),
+                        name=workload.name, raw_grads=True)
+    with pytest.raises(PipelineError, match="draws random numbers"):
+        run_pipeline_reference(step, plan, workload.model, optimizer, workload.batch)

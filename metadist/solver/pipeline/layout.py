@@ -13,7 +13,8 @@ A value read on another stage than the one that makes it travels with the pipeli
 
 The loss divisor (see :mod:`.regions`) is read by every stage that accumulates, to weight each
 microbatch's gradients. Floating nodes are computed by each stage that reads them: in its forward
-phase when its forward or backward reads them, in its update phase when its update does.
+phase when its forward or backward reads them (a floating value the backward reads is saved), in
+its update phase when its update does.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class _Builder:
         for stage in range(self.placement.stages):
             for phase, target in (("forward", "forward"), ("backward", "forward"), ("update", "update")):
                 pending = [value for name in self.sets[phase][stage] for value in self.graph.node(name).input_names]
+                if phase == "backward":  # computed by the forward phase, kept for the backward of the same microbatch
+                    self.sets["saved"][stage].update(value for value in pending if self.made_by.get(value) in self.floating)
                 while pending:
                     value = pending.pop()
                     maker = self.made_by.get(value)

@@ -243,6 +243,8 @@ def _whole(graph_for, mesh: Mesh, cluster: Cluster, budget, time_limit_s) -> Can
         plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, time_limit_s=time_limit_s)
     except InfeasibleBudgetError as error:
         return Candidate(1, 1, "-", mesh, memory_bytes=error.minimum_bytes, error="no plan fits the budget")
+    except SolverError as error:  # e.g. the smallest footprint not found within the time limit
+        return Candidate(1, 1, "-", mesh, error=str(error))
     e = plan.estimate
     return Candidate(1, 1, "-", mesh, step_s=e["step_s"], memory_bytes=e["memory_bytes_peak"],
                      fits=plan.solver.get("memory_budget_exceeded_bytes", 0.0) == 0.0, plan=plan)
