@@ -251,3 +251,17 @@ def test_reference_refuses_random_ops(rules_db):
                         name=workload.name, raw_grads=True)
     with pytest.raises(PipelineError, match="draws random numbers"):
         run_pipeline_reference(step, plan, workload.model, optimizer, workload.batch)
+
+
+def test_pipeline_study_section_renders_rows():
+    from dataclasses import asdict
+
+    from metadist.bench.pipeline_study import PipelineRow
+    from metadist.bench.report import pipeline_section
+
+    rows = [PipelineRow(model="m", devices=16, method="metadist (chosen)", mesh=(2, 8), pp=2, microbatches=4,
+                        schedule="1f1b", step_s=1.5, bubble_fraction=0.2, memory_bytes=2**30, fits=True, search_s=3.0),
+            PipelineRow(model="m", devices=16, method="zero3", mesh=(2, 8), error="too big")]
+    text = "\n".join(pipeline_section({"cluster": "h100-ib", "command": "python -m x", "rows": [asdict(r) for r in rows]}))
+    assert "MetaDist chose pp=2, 4 microbatches, 1f1b" in text and "| m | 16 | zero3 | 2x8 |" in text
+    assert "**no**: too big" in text and "20.0%" in text and "python -m x" in text

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                               None if not args.microbatches else [int(m) for m in args.microbatches.split(",")],
                               args.time_limit))
             write_atomically(args.out, json.dumps({"format": "metadist.pipeline_study", "version": 1,
-                                                   "cluster": CLUSTER_PRESET, "rows": [asdict(r) for r in rows]}, indent=1))
+                                                   "cluster": CLUSTER_PRESET, "command": "python -m metadist.bench.pipeline_study "
+                                                   + " ".join(sys.argv[1:] if argv is None else argv), "rows": [asdict(r) for r in rows]}, indent=1))
     print(markdown(rows))
     return 0
 
