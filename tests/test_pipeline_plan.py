@@ -265,3 +265,39 @@ def test_pipeline_study_section_renders_rows():
     text = "\n".join(pipeline_section({"cluster": "h100-ib", "command": "python -m x", "rows": [asdict(r) for r in rows]}))
     assert "MetaDist chose pp=2, 4 microbatches, 1f1b" in text and "| m | 16 | zero3 | 2x8 |" in text
     assert "**no**: too big" in text and "20.0%" in text and "python -m x" in text
+
+
+def test_raw_grads_are_autograds_gradients_before_the_optimizer():
+    import copy
+
+    import torch
+
+    from metadist.frontends.torch import capture_step
+    from metadist.frontends.torch.errors import CaptureError
+    from metadist.frontends.torch.execute import execute_graph
+    from metadist.ir import Role
+    from metadist.workloads import load_workload
+
+    workload = load_workload("mlp")
+
+    def clipped(model, optimizer, batch):  # what the optimizer sees differs from what autograd accumulated
+        loss = workload.loss_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = capture_step(clipped, workload.model, optimizer, workload.batch, raw_grads=True)
+    outputs = execute_graph(step.graph, step.gather_inputs(workload.model, optimizer, workload.batch))
+    got = {o.source.removeprefix("grad:"): v for o, v in zip(step.graph.outputs, outputs) if o.role is Role.GRAD}
+    model = copy.deepcopy(workload.model)
+    workload.loss_fn(model, workload.batch).backward()
+    assert set(got) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad)
+    with pytest.raises(PipelineError, match="Gradient clipping by a global norm"):
+        split_regions(step.graph, step.loss_divisor)  # the update reads the clipped gradients: refused, with why
+    with pytest.raises(CaptureError, match="ask for one of them"):
+        capture_step(clipped, workload.model, optimizer, workload.batch, raw_grads=True, keep_grads=True)

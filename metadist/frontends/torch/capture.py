@@ -415,7 +415,7 @@ def _accumulated_grads(traced_params: dict[str, torch.Tensor], found: dict[str, 
 
     def hook(name: str):
         def record(tensor: torch.Tensor) -> None:
-            found[name] = tensor.grad
+            found[name] = tensor.grad.clone()  # a copy: the step may change .grad in place later (clipping)
         return record
 
     handles = [tensor.register_post_accumulate_grad_hook(hook(name))
