@@ -297,7 +297,9 @@ def test_raw_grads_are_autograds_gradients_before_the_optimizer():
     assert set(got) == {name for name, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad)
-    with pytest.raises(PipelineError, match="Gradient clipping by a global norm"):
-        split_regions(step.graph, step.loss_divisor)  # the update reads the clipped gradients: refused, with why
+    regions = split_regions(step.graph, step.loss_divisor)  # clipping reads only accumulated gradients: an update
+    cluster = cluster_for("h100-ib", Mesh((2,), ("pp",)))
+    with pytest.raises(PipelineError, match="gradient clipping by a global norm"):  # but it combines every stage's
+        partition(step.graph, regions, 2, cluster, cluster.link(0))
     with pytest.raises(CaptureError, match="ask for one of them"):
         capture_step(clipped, workload.model, optimizer, workload.batch, raw_grads=True, keep_grads=True)

@@ -248,6 +248,8 @@ def capture_step(
 
     output_roles = traced.output_roles()
     graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
+    if raw_grads:
+        graph = _grads_without_copies(graph)
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
@@ -426,6 +428,26 @@ def _accumulated_grads(traced_params: dict[str, torch.Tensor], found: dict[str, 
         for handle in handles:
             handle.remove()
 
+
+
+def _grads_without_copies(graph: Graph) -> Graph:
+    """Each ``grad`` output that is a copy (``clone``) of a value names the value itself (equal in a functional graph),
+    and copies nothing else reads are dropped: the update then reads the very values marked as gradients."""
+    from ...ir import GraphOutput
+
+    replaced: dict[str, str] = {}
+    for output in graph.outputs:
+        node = graph.producer(output.name)
+        if output.role is Role.GRAD and node is not None and node.op.target == "aten.clone.default" and node.input_names:
+            replaced[output.name] = node.input_names[0]
+    if not replaced:
+        return graph
+    outputs = tuple(GraphOutput(replaced.get(o.name, o.name), o.role, o.replaces, o.source) for o in graph.outputs)
+    kept_outputs = {o.name for o in outputs}
+    dropped = {graph.producer(name).name for name in replaced
+               if not graph.users(name) and name not in kept_outputs}
+    nodes = tuple(node for node in graph.nodes if node.name not in dropped)
+    return Graph(inputs=graph.inputs, nodes=nodes, outputs=outputs, name=graph.name)
 
 
 _MEAN_REDUCTION = 1

@@ -189,8 +189,8 @@ def _place_update(graph: Graph, regions: Regions, stage: dict[str, int], phase: 
         places = serves[name]
         if len(places) > 1:
             raise PipelineError(
-                f"update node {name!r} ({graph.node(name).op.target}) serves parameters of stages {sorted(places)}: the "
-                "update combines parameters that live on different stages (gradient clipping by a global norm does). "
+                f"update node {name!r} ({graph.node(name).op.target}) serves parameters that live on different stages: the "
+                "update combines them (gradient clipping by a global norm does). "
                 "A pipeline updates each stage's parameters on their own; plan without a pp axis"
             )
         stage[name] = places.pop() if places else 0
