@@ -252,10 +252,22 @@ def pipeline_section(study: dict) -> list[str]:
              "each stage laid out as Megatron-LM does (TP inside a node, DP across the stage's nodes, 1F1B); *zero3* "
              "is the whole step, no pipeline. The bubble is the idle share of device time in the forward/backward "
              "part of the schedule.", "", "```bash", study.get("command", "python -m metadist.bench.pipeline_study"), "```", ""]
-    chosen = [row for row in rows if row.method.endswith("(chosen)")]
-    for row in chosen:
-        lines.append(f"- {row.model} on {row.devices} GPUs: MetaDist chose pp={row.pp}, {row.microbatches} microbatches, "
-                     f"{row.schedule}, estimated step {row.step_s:.3f} s, search {row.search_s:.0f} s.")
+    for model, devices in dict.fromkeys((row.model, row.devices) for row in rows):
+        cell = [row for row in rows if (row.model, row.devices) == (model, devices)]
+        chosen = [row for row in cell if row.method.endswith("(chosen)")]
+        priced = [row for row in cell if row.step_s is not None]
+        if chosen:
+            row = chosen[0]
+            rivals = [r for r in priced if not r.method.startswith("metadist") and r.fits]
+            versus = "" if not rivals else "; the fastest hand layout that fits: %s, step x%.3f of MetaDist's" % (
+                min(rivals, key=lambda r: r.step_s).method, min(r.step_s for r in rivals) / row.step_s)
+            lines.append(f"- {model} on {devices} GPUs: MetaDist chose pp={row.pp}, {row.microbatches} microbatches, "
+                         f"{row.schedule}, estimated step {row.step_s:.3f} s, search {row.search_s:.0f} s{versus}.")
+        elif priced:
+            lines.append(f"- {model} on {devices} GPUs: no layout fits 80 GB per GPU (the estimates are fp32 training "
+                         "without activation recomputation); the smallest footprint priced: "
+                         + ", ".join(f"{r.method} pp={r.pp} m={r.microbatches} {r.memory_bytes / 2**30:.0f} GiB, "
+                                     f"step {r.step_s:.3f} s" for r in sorted(priced, key=lambda r: r.memory_bytes)[:2]) + ".")
     return lines + ["", markdown(rows), ""]
 
 
