@@ -276,6 +276,7 @@ def _plan_stage(graph: Graph, stage: Stage, rules, cluster: Cluster, budget: flo
     """The stage's plan under a budget that leaves room for the microbatches the schedule keeps in flight."""
     extra = in_flight(schedule, stages, stage.index, microbatches) - 1
     stage_budget = budget
+    best = None
     for _ in range(MAX_MEMORY_ROUNDS):
         try:
             if stage_planner is not None:
@@ -284,19 +285,24 @@ def _plan_stage(graph: Graph, stage: Stage, rules, cluster: Cluster, budget: flo
                 plan = plan_graph(graph, rules, cluster, memory_budget_bytes=stage_budget, solver=solver,
                                   time_limit_s=time_limit_s)
         except InfeasibleBudgetError as error:
+            if best is not None:  # a tighter budget for the activations in flight has no plan: keep the closest one
+                logger.info("stage %d: no plan within %.0f bytes; keeping the smallest found", stage.index, stage_budget)
+                break
             raise InfeasibleBudgetError(budget, error.minimum_bytes,
                                         f" (pipeline stage {stage.index} of {stages}: {len(stage.forward)} forward nodes; "
                                         "more stages or a larger sub-mesh give each stage less to hold)") from None
         figure = stage_figures(graph, stage, plan, cluster)
         total = figure.memory_bytes + extra * figure.saved_bytes
+        if best is None or total < best[2]:
+            best = (plan, figure, total)
         if budget == float("inf") or total <= budget * (1 + 1e-9) or extra == 0 or stage_planner is not None:
             return plan, figure
-        stage_budget = budget - extra * figure.saved_bytes
+        stage_budget = min(stage_budget, budget - extra * figure.saved_bytes)
         if stage_budget <= 0:
             break
         logger.info("stage %d: %d microbatches in flight break the budget; solving again with %.0f bytes", stage.index,
                     extra + 1, stage_budget)
-    return plan, figure  # the estimate states the peak; the search marks the candidate as not fitting
+    return best[0], best[1]  # the estimate states the peak; the search marks the candidate as not fitting
 
 
 def _transfer_bytes(graph: Graph, cut: Partition, stages: Sequence[Stage], mesh: Mesh) -> list[float]:
