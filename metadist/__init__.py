@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ir import Graph, Mesh, Role
+from .ir import Graph, Mesh, PrecisionPolicy, Role
 from .workload import Workload, WorkloadError
 
 __version__ = "0.1.0"
@@ -36,4 +36,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'metadist' has no attribute {name!r}")
 
 
-__all__ = ["Graph", "Mesh", "Role", "Workload", "WorkloadError", "__version__", *_LAZY]
+__all__ = ["Graph", "Mesh", "PrecisionPolicy", "Role", "Workload", "WorkloadError", "__version__", *_LAZY]

@@ -68,6 +68,11 @@ class CompileOptions:
     ``first`` (the first call of each compiled shape), ``always`` (every call; for debugging) or ``never``."""
     max_cached: int = 8
     """Compiled variants kept (one per batch shape, training/eval mode and optimizer structure)."""
+    precision: Any = None
+    """Mixed precision policy: ``"bf16"`` or ``"fp16"`` (float32 master weights and optimizer state, computation in
+    16 bits, gradients reduced in float32: FSDP2's MixedPrecisionPolicy), a ``metadist.PrecisionPolicy``, or None
+    (as the step is written; a step under ``torch.autocast`` is captured as such). A float16 step should scale its
+    loss with a ``torch.amp.GradScaler``, which is captured."""
 
     def __post_init__(self) -> None:
         if self.batch not in ("global", "local"):
@@ -79,6 +84,10 @@ class CompileOptions:
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"expert_capacity_factor={self.expert_capacity_factor!r}: give a positive factor, "
                              "or None for dropless experts")
+        from .ir import PrecisionPolicy
+
+        if self.precision is not None and not isinstance(self.precision, PrecisionPolicy):
+            object.__setattr__(self, "precision", PrecisionPolicy.named(str(self.precision)))
 
 
 class CompiledTrainStep:
@@ -206,7 +215,8 @@ class CompiledTrainStep:
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
         torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"),
-                                  expert_capacity_factor=self.options.expert_capacity_factor)
+                                  expert_capacity_factor=self.options.expert_capacity_factor,
+                                  precision=self.options.precision)
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,
@@ -321,7 +331,7 @@ def compile(fn: Callable | None = None, **options: Any) -> Any:  # noqa: A001 - 
     return CompiledTrainStep(fn, settings)
 
 
-def capture_and_discover(workload: Any, rules_db: str | None = None, *,
+def capture_and_discover(workload: Any, rules_db: str | None = None, precision: Any = None, *,
                          expert_capacity_factor: float | None = None) -> tuple[Any, Any]:
     """A workload's graph and its rules (the rule database at ``rules_db``, default the user cache, caches discovery).
 
@@ -329,6 +339,8 @@ def capture_and_discover(workload: Any, rules_db: str | None = None, *,
     PyTorch workloads are captured by the torch frontend; JAX workloads (``jax-*`` built-ins, or a
     model file returning a ``JaxWorkload``) from their jaxpr, with rules discovered by executing
     the JAX primitives, into the same database. ``expert_capacity_factor``: see :class:`CompileOptions`.
+    ``precision``: a mixed precision policy for PyTorch workloads (``"bf16"``, ``"fp16"``, a
+    :class:`metadist.PrecisionPolicy`), applied at capture.
     A PyTorch model repeating one block of layers is captured on a few of them and expanded
     (:func:`metadist.frontends.torch.repeat.capture_repeated`; the graph equals the whole capture's).
     """
@@ -340,6 +352,8 @@ def capture_and_discover(workload: Any, rules_db: str | None = None, *,
     if isinstance(workload, str):
         workload = load_workload(workload)
     if isinstance(workload, JaxWorkload):
+        if precision is not None:
+            raise ValueError("precision= applies to PyTorch workloads; a JAX step states its dtypes itself")
         from .frontends.jax import capture_jax
         from .frontends.jax.discovery import JaxOpExecutor
 
@@ -351,7 +365,8 @@ def capture_and_discover(workload: Any, rules_db: str | None = None, *,
 
         optimizer = workload.optimizer(workload.model.parameters())
         graph = capture_repeated(workload.train_step(), workload.model, optimizer, workload.batch,
-                                 name=workload.name or name or "step", expert_capacity_factor=expert_capacity_factor)
+                                 name=workload.name or name or "step", expert_capacity_factor=expert_capacity_factor,
+                                 precision=precision)
         executor = TorchExecutor()
     return graph, rules_from_database(graph, executor, rules_db)
 
@@ -365,16 +380,23 @@ def plan(
     solver: str = "ilp",
     rules_db: str | None = None,
     expert_capacity_factor: float | None = None,
+    precision: Any = None,
 ) -> Plan:
     """Plan a workload (a :class:`metadist.Workload`, a built-in name or a model file) for ``mesh``; no processes needed.
-    ``expert_capacity_factor``: see :class:`CompileOptions` (a plan is for the graph captured with it)."""
+
+    ``expert_capacity_factor``: see :class:`CompileOptions` (a plan is for the graph captured with it).
+    ``precision``: a mixed precision policy (``"bf16"``, ``"fp16"``, a :class:`metadist.PrecisionPolicy`): the step is
+    captured under it and its gradients are reduced in the policy's reduce dtype."""
+    from .ir import PrecisionPolicy
     from .cost.cluster import resolve_cluster
     from .solver import plan_graph
 
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh)))
-    graph, rules = capture_and_discover(workload, rules_db, expert_capacity_factor=expert_capacity_factor)
+    policy = precision if precision is None or isinstance(precision, PrecisionPolicy) else PrecisionPolicy.named(str(precision))
+    graph, rules = capture_and_discover(workload, rules_db, policy, expert_capacity_factor=expert_capacity_factor)
     memory = None if memory_gb is None else int(memory_gb * 1e9)
-    return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver)
+    return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver,
+                      reduce_dtype=None if policy is None else policy.reduce_dtype)
 
 
 def _batch_signature(batch: Any) -> tuple:

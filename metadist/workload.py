@@ -47,8 +47,9 @@ class Workload:
                 f"got {type(self.optimizer).__name__}"
             )
 
-    def train_step(self) -> Callable[[Any, Any, Any], Any]:
-        """The plain training step this workload stands for."""
+    def train_step(self, scaler: Any = None) -> Callable[[Any, Any, Any], Any]:
+        """The plain training step this workload stands for; with ``scaler`` (a ``torch.amp.GradScaler``) the loss is
+        scaled and steps with inf/NaN gradients are skipped, as float16 training needs."""
         loss_fn = self.loss_fn
 
         def train_step(model: Any, optimizer: Any, batch: Any) -> Any:
@@ -58,4 +59,12 @@ class Workload:
             optimizer.zero_grad()
             return loss
 
-        return train_step
+        def scaled_train_step(model: Any, optimizer: Any, batch: Any) -> Any:
+            loss = loss_fn(model, batch)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            return loss
+
+        return train_step if scaler is None else scaled_train_step

@@ -27,9 +27,15 @@ from .baselines import MethodUnavailable, Prepared, RankContext
 
 log = logging.getLogger(__name__)
 
-METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam", "metadist-ilp-sync": "ilp"}
+METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam", "metadist-ilp-sync": "ilp", "metadist-ilp-bf16": "ilp"}
 """MetaDist's rows: method -> solver. ``-sync`` runs the ILP's plan with overlap off (every collective waited
-for where it is issued), next to ``metadist-ilp`` (issued early, waited for late) in the same run."""
+for where it is issued), next to ``metadist-ilp`` (issued early, waited for late) in the same run. ``-bf16``
+captures and plans the step under the bf16 precision policy (float32 master weights and optimizer state, bf16
+computation, gradients reduced in float32; :mod:`metadist.ir.precision`): its loss differs from the float32
+single-device loss by bf16 rounding, not by reduction order only."""
+
+PRECISION_OF = {"metadist-ilp-bf16": "bf16"}
+"""Methods that run under a precision policy (the others run the step as written, in float32)."""
 
 SYNC_METHODS = frozenset({"metadist-ilp-sync"})
 
@@ -69,10 +75,12 @@ def _api() -> dict[str, Any]:
                 RuleDatabase=RuleDatabase, baseline_plan=baseline_plan, plan_graph=plan_graph)
 
 
-def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, Any], model: Any, optimizer: Any) -> Planned:
-    """Capture and discover on this rank (rank 0 first), timing each stage."""
+def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, Any], model: Any, optimizer: Any,
+                        precision: str | None = None) -> Planned:
+    """Capture (under ``precision``, a policy name) and discover on this rank (rank 0 first), timing each stage."""
     started = time.perf_counter()
-    torch_step = api["capture_step"](workload.train_step(), model, optimizer, workload.batch, name=workload.name or "step")
+    torch_step = api["capture_step"](workload.train_step(), model, optimizer, workload.batch, name=workload.name or "step",
+                                     precision=precision)
     capture_s = time.perf_counter() - started
     discovery_s = 0.0
     with api["RuleDatabase"]() as db:
@@ -99,11 +107,12 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
 
     api = _api()
     planning_model = copy.deepcopy(workload.model).to(ctx.device)
-    planned = compile_plan_inputs(workload, ctx, api, planning_model, workload.optimizer(planning_model.parameters()))
+    planned = compile_plan_inputs(workload, ctx, api, planning_model, workload.optimizer(planning_model.parameters()),
+                                  PRECISION_OF.get(method))
     del planning_model
     started = time.perf_counter()
     plan = api["plan_graph"](planned.torch_step.graph, planned.rules, planned.cluster, memory_budget_bytes=float("inf"),
-                             solver=METADIST_METHODS[method])
+                             solver=METADIST_METHODS[method], reduce_dtype=planned.torch_step.precision.reduce_dtype)
     solve_s = time.perf_counter() - started
     started = time.perf_counter()
     device_mesh = init_device_mesh(ctx.device.type, tuple(ctx.mesh_shape))

@@ -37,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="mixture-of-experts layers: ceil(F * k * S / E) slots per expert and group of S tokens "
                              "(default: dropless); pass the same to 'metadist run --plan FILE'")
     parser.add_argument("--json", metavar="FILE", help="write the plan JSON to FILE")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="plan the step under a mixed precision policy: float32 master weights and optimizer state, "
+                             "computation in bf16 or fp16, gradients reduced in --reduce-dtype (default: as written)")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="the dtype gradients are reduced in across devices (default fp32 with --precision bf16/fp16)")
     parser.add_argument("--explain", metavar="NODE", action="append", default=[], help="explain why NODE got its strategy (repeatable)")
     parser.set_defaults(handler=run)
 
@@ -54,17 +59,20 @@ def run(args: argparse.Namespace) -> int:
                          f"got {args.expert_capacity_factor}")
     mesh = Mesh.parse(args.mesh)
     cluster = resolve_cluster(args.cluster, mesh)
+    policy = _policy(args)
+    reduce_dtype = None if policy is None else policy.reduce_dtype
     budget = None if args.memory_gb is None else args.memory_gb * 1e9
     with listening(ConsoleListener(Console(stderr=True))):  # the phases on stderr: stdout keeps the plan
         enter("capture")
-        graph, rules = capture_and_discover(args.model, args.rules_db,  # marks "discovery"
+        graph, rules = capture_and_discover(args.model, args.rules_db, policy,  # marks "discovery"
                                             expert_capacity_factor=args.expert_capacity_factor)
         enter("solve")
-        plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
+        plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit,
+                          reduce_dtype=reduce_dtype)
         plans = {"metadist": plan}
         if args.baselines:
             enter("baselines")
-            plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit)
+            plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit, reduce_dtype=reduce_dtype)
                           for kind in ("dp", "zero2", "zero3", "megatron")})
     console = Console()
     print_plan(console, graph, plan)
@@ -76,6 +84,15 @@ def run(args: argparse.Namespace) -> int:
         write_atomically(args.json, plan.to_json(indent=1))
         console.print(f"plan JSON written to {args.json}")
     return 0
+
+
+def _policy(args: argparse.Namespace):
+    """The precision policy of ``--precision``/``--reduce-dtype`` (None: the step as written)."""
+    from ..ir import PrecisionPolicy
+
+    if args.precision is None and args.reduce_dtype is None:
+        return None
+    return PrecisionPolicy.named(args.precision or "fp32", args.reduce_dtype or "default")
 
 
 def _sharding(sharding) -> str:

@@ -76,8 +76,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--summary-json", default=None, type=Path,
                         help="write the run's summary here as JSON: parameters, compile phase seconds, ops without a "
                              "rule, losses and, with --check, the largest differences (what python -m metadist.bench.zoo tabulates)")
+    add_precision_arguments(parser)
+    parser.add_argument("--no-loss-scaling", action="store_true",
+                        help="with --precision fp16: no GradScaler (gradients may underflow: MetaDist warns)")
     add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="mixed precision: float32 master weights and optimizer state, computation in bf16 or fp16 "
+                             "(fp16 with a GradScaler), gradients reduced in --reduce-dtype (default: as the step is written)")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="the dtype gradients are reduced in across devices (default fp32 with --precision bf16/fp16)")
 
 
 def add_log_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +138,12 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         command += ["--summary-json", str(Path(args.summary_json).resolve())]
     if getattr(args, "expert_capacity_factor", None) is not None:
         command += ["--expert-capacity-factor", str(args.expert_capacity_factor)]
+    if getattr(args, "precision", None):
+        command += ["--precision", args.precision]
+    if getattr(args, "reduce_dtype", None):
+        command += ["--reduce-dtype", args.reduce_dtype]
+    if getattr(args, "no_loss_scaling", False):
+        command.append("--no-loss-scaling")
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command

@@ -18,6 +18,10 @@ The model, kept simple so that each edge is still priced on its own (the ILP's s
 - a **bucketed edge** is a value read at or after ``U`` by a node, when the value is a graph
   input or made before ``U`` (gradients, parameters gathered for the update); and every graph
   output's resharding (it runs at the end of the step, with all the others);
+- under mixed precision a gradient is cast to its parameter's float32 after the backward pass and
+  before ``U``: a reduction on the edge into such a **cast** (a dtype conversion after the loss
+  whose outputs are read only from ``U`` on) is bucketed too, as the runtime coalesces it with the
+  others (a bfloat16 reduction before the cast is priced like a float32 one after it, at half the bytes);
 - a bucketed collective pays the bandwidth term in full and a share
   ``fixed_share = buckets / values`` of its fixed cost (ring latencies and the link's
   per-call overhead), ``values`` being the number of distinct values on bucketed edges and
@@ -78,12 +82,36 @@ def bucketing_for(graph: Graph, cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> 
             if producer is None or position[producer.name] < start:
                 edges.add((name, node.name))
                 values[name] = graph.value(name).spec.nbytes
+    for node in _gradient_casts(graph, start, position):
+        for name in node.input_names:
+            edges.add((name, node.name))
+            values[name] = graph.value(name).spec.nbytes
     for graph_output in graph.outputs:
         values[graph_output.name] = graph.value(graph_output.name).spec.nbytes
     if not values:
         return Bucketing(frozenset(edges), 1.0, start)
     buckets = max(1, math.ceil(sum(values.values()) / cap_bytes))
     return Bucketing(frozenset(edges), min(1.0, buckets / len(values)), start)
+
+
+CAST_OPS = frozenset({"aten._to_copy.default", "prims.convert_element_type.default"})
+"""Dtype conversions (a mixed-precision gradient's cast back to its parameter's dtype)."""
+
+
+def _gradient_casts(graph: Graph, start: int, position: dict[str, int]):
+    """Casts after the loss and before ``start`` whose outputs are read only by update-phase nodes."""
+    loss = _loss_position(graph, position)
+    for node in graph.nodes[loss + 1:start]:
+        if node.op.target not in CAST_OPS:
+            continue
+        users = [user for value in node.output_values for user in graph.users(value.name)]
+        if users and all(position[user.name] >= start for user in users):
+            yield node
+
+
+def _loss_position(graph: Graph, position: dict[str, int]) -> int:
+    loss_names = {graph_output.name for graph_output in graph.outputs if graph_output.role is Role.LOSS}
+    return max((position[graph.producer(name).name] for name in loss_names if graph.producer(name) is not None), default=-1)
 
 
 def _update_start(graph: Graph) -> int:

@@ -47,16 +47,36 @@ class Device:
     """One accelerator (or CPU process): its roofline and its memory."""
 
     peak_flops_per_s: float
-    """Peak arithmetic throughput for the training dtype."""
+    """Peak arithmetic throughput of float32 work (on GPUs: matmuls on TF32 tensor cores)."""
     memory_bandwidth_bytes_per_s: float
     """Device memory bandwidth (the roofline's other roof)."""
     memory_capacity_bytes: float
     """Device memory; the default per-device memory budget."""
     name: str = ""
+    peak_flops_per_s_by_dtype: tuple[tuple[str, float], ...] = ()
+    """Peak throughput of other floating dtypes, as (MetaIR dtype, FLOP/s) pairs (bfloat16 and float16 run on
+    tensor cores at about twice the TF32 rate); a dtype not listed runs at ``peak_flops_per_s``."""
+    unsupported_dtypes: tuple[str, ...] = ()
+    """Floating dtypes the device cannot compute in (bfloat16 before NVIDIA Ampere)."""
 
     def __post_init__(self) -> None:
-        if min(self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes) <= 0:
+        pairs = self.peak_flops_per_s_by_dtype
+        pairs = tuple(sorted(pairs.items())) if isinstance(pairs, Mapping) else tuple(sorted((str(k), float(v)) for k, v in pairs))
+        object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
+        object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
+        figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes, *(v for _, v in pairs))
+        if min(figures) <= 0:
             raise ClusterError(f"device figures must be positive, got {self}")
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak FLOP/s of work in ``dtype`` (a MetaIR dtype name)."""
+        for name, flops in self.peak_flops_per_s_by_dtype:
+            if name == dtype:
+                return flops
+        return self.peak_flops_per_s
+
+    def supports(self, dtype: str) -> bool:
+        return dtype not in self.unsupported_dtypes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +143,15 @@ class Machine:
     description: str
 
 
-A100 = Device(peak_flops_per_s=312e12, memory_bandwidth_bytes_per_s=2.0e12, memory_capacity_bytes=80e9, name="A100-80GB")
-H100 = Device(peak_flops_per_s=989e12, memory_bandwidth_bytes_per_s=3.35e12, memory_capacity_bytes=80e9, name="H100-80GB")
+# Dense tensor-core peaks: float32 at the TF32 rate (torch.backends.cuda.matmul.allow_tf32; without it float32
+# matmuls run on CUDA cores, ~8x slower), bfloat16 and float16 at twice that. V100s have no bfloat16.
+A100 = Device(peak_flops_per_s=156e12, memory_bandwidth_bytes_per_s=2.0e12, memory_capacity_bytes=80e9, name="A100-80GB",
+              peak_flops_per_s_by_dtype={"bfloat16": 312e12, "float16": 312e12})
+H100 = Device(peak_flops_per_s=494.5e12, memory_bandwidth_bytes_per_s=3.35e12, memory_capacity_bytes=80e9, name="H100-80GB",
+              peak_flops_per_s_by_dtype={"bfloat16": 989e12, "float16": 989e12})
+V100 = Device(peak_flops_per_s=15.7e12, memory_bandwidth_bytes_per_s=0.9e12, memory_capacity_bytes=32e9, name="V100-32GB",
+              peak_flops_per_s_by_dtype={"float16": 125e12}, unsupported_dtypes=("bfloat16",))
+NVLINK2 = Link(bandwidth_bytes_per_s=130e9, latency_s=2e-6, call_overhead_s=10e-6, name="nvlink2")
 NVLINK3 = Link(bandwidth_bytes_per_s=240e9, latency_s=1.5e-6, call_overhead_s=8e-6, name="nvlink3")
 NVLINK4 = Link(bandwidth_bytes_per_s=370e9, latency_s=1e-6, call_overhead_s=8e-6, name="nvlink4")
 INFINIBAND_NDR = Link(bandwidth_bytes_per_s=45e9, latency_s=5e-6, call_overhead_s=12e-6, name="infiniband-ndr")
@@ -132,11 +159,16 @@ INFINIBAND_NDR = Link(bandwidth_bytes_per_s=45e9, latency_s=5e-6, call_overhead_
 # the 2-core development machine: a 4-byte all-reduce costs 0.2 ms with 2 processes and ~2 ms with 4
 # (scheduling, not the wire, dominates); 16 MiB all-gathers reach ~1 GB/s.
 GLOO_LOOPBACK = Link(bandwidth_bytes_per_s=1e9, latency_s=100e-6, call_overhead_s=500e-6, name="gloo-loopback")
-CPU_CORE = Device(peak_flops_per_s=50e9, memory_bandwidth_bytes_per_s=10e9, memory_capacity_bytes=16e9, name="cpu")
+# One process on the development machine's CPU (AVX-512 with bf16 instructions): measured single-thread matmuls
+# reach ~42 GFLOP/s in float32, ~110 in bfloat16 and ~1.4 in float16 (no fast float16 kernel on CPUs).
+CPU_CORE = Device(peak_flops_per_s=50e9, memory_bandwidth_bytes_per_s=10e9, memory_capacity_bytes=16e9, name="cpu",
+                  peak_flops_per_s_by_dtype={"bfloat16": 110e9, "float16": 1.5e9})
 
 PRESETS: Mapping[str, Machine] = {
     "a100x8": Machine(device=A100, devices_per_node=8, intra_node_link=NVLINK3, inter_node_link=INFINIBAND_NDR,
                       description="one node of 8 A100s over NVLink (more devices: nodes over InfiniBand)"),
+    "v100x8": Machine(device=V100, devices_per_node=8, intra_node_link=NVLINK2, inter_node_link=INFINIBAND_NDR,
+                      description="one node of 8 V100s over NVLink (no bfloat16; more devices: nodes over InfiniBand)"),
     "h100x8": Machine(device=H100, devices_per_node=8, intra_node_link=NVLINK4, inter_node_link=INFINIBAND_NDR,
                       description="one node of 8 H100s over NVLink (more devices: nodes over InfiniBand)"),
     "h100-ib": Machine(device=H100, devices_per_node=8, intra_node_link=NVLINK4, inter_node_link=INFINIBAND_NDR,

@@ -4,7 +4,9 @@ FLOPs are estimated per op family from the node's global shapes (matmuls, convol
 attention); everything else is priced by the bytes it reads and writes. The local work of a
 strategy divides the FLOPs by the number of devices the iteration space is split over (the
 axes that take a factor), and counts the bytes of the local shards the strategy reads and
-writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``.
+writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``, the peak being the
+device's for the node's **compute dtype** (its first floating input's, else its first output's): bfloat16 and
+float16 matmuls run at about twice the float32 (TF32) rate on GPUs, and their bytes are half.
 View ops alias their input and cost nothing.
 
 Uneven splits (``torch.chunk`` pieces) are priced on the rank with the largest pieces, which
@@ -161,4 +163,15 @@ def compute_seconds(
         for spec, sharding in zip(output_specs, strategy.outputs)
         if spec is not None and sharding is not None
     )
-    return max(flops / device.peak_flops_per_s, memory_bytes / device.memory_bandwidth_bytes_per_s)
+    return max(flops / device.flops_per_s(compute_dtype(input_specs, output_specs)), memory_bytes / device.memory_bandwidth_bytes_per_s)
+
+
+_FLOATING = ("float", "bfloat")
+
+
+def compute_dtype(input_specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec | None]) -> str:
+    """The dtype a node computes in: its first floating input's, else its first floating output's (float32 if none)."""
+    for spec in (*input_specs, *output_specs):
+        if spec is not None and spec.dtype.startswith(_FLOATING):
+            return spec.dtype
+    return "float32"

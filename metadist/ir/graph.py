@@ -76,6 +76,8 @@ class Role(str, enum.Enum):
     """A training-loop value the user may change between steps (learning rate, betas...): a 0-dim input."""
     ACTIVATION = "activation"
     LOSS = "loss"
+    METRIC = "metric"
+    """A 0-dim output MetaDist computes for itself, not returned to the user (the float16 subnormal-gradient count)."""
 
     def __str__(self) -> str:  # prints as its plain value
         return self.value

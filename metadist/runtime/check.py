@@ -11,6 +11,25 @@ is off by O(1). ``atol`` covers values near zero, where relative error means
 little (large relative differences of tiny gradients are expected). A
 replicated plan runs the very same kernels and matches exactly.
 
+Mixed precision (a precision policy, or a step under ``torch.autocast``): the reference runs under
+the same policy, and the tolerance is that of the narrowest floating dtype the step computes in
+(:func:`tolerance_for_graph`). bfloat16 keeps 8 significant bits (a rounding step of 2**-8 = 0.4% of a
+value), float16 11 (0.1%); a distributed step rounds its partial sums in another order, each rounding
+up to half a step, and a reduction's error follows the magnitude of what it sums rather than of its
+result, so a fixed bound is either loose or wrong. The bound is measured instead: under a policy the
+reference also runs the same steps in float32 (a step written under ``torch.autocast``: captured
+once more with its autocast regions off), and each tensor's distance between the two
+single-device runs (how far rounding to the policy's dtype moved it, ``rounding``) enters the bound
+``|got - want| <= atol + rtol * |want| + rounding_factor * rounding`` with ``rounding_factor = 3``
+(two runs that round differently may each sit ``rounding`` away, on opposite sides, plus growth
+through the steps). bfloat16 adds ``rtol = 0.02``, float16 ``0.005`` (a few rounding steps). A
+wrong shard or a missing reduction moves a tensor by a large share of its magnitude, far beyond the
+rounding, and still fails. A step that computes in a narrow dtype by itself (bfloat16 parameters)
+has no float32 twin: it is held to ``rtol + magnitude_rtol * max|want|`` (bfloat16: 0.05 and 0.02).
+Measured with ``metadist run gpt2-tiny --nproc 2 --check --precision bf16`` (3 AdamW steps): the
+largest gradient difference is 1.6 times its rounding (wpe: 1.5e-3 against 9.5e-4); the fixed
+bfloat16 bound (0.02 x max|want| = 1.05e-3 there) fails it.
+
 Known limit: Adam/AdamW divide each gradient element by its own running RMS.
 An element whose true gradient is zero (a conv bias followed by batch norm)
 has a gradient of pure rounding noise, which Adam turns into a step of about
@@ -30,8 +49,9 @@ the gradient (the small CNN passes that way).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -40,7 +60,8 @@ from ..frontends.torch import capture_step
 from ..frontends.torch.materialize import has_meta_tensors, materialize
 from .errors import CheckError
 
-__all__ = ["Tolerance", "Difference", "CheckReport", "ReferenceRun", "reference_run", "compare_runs"]
+__all__ = ["TOLERANCES", "Tolerance", "Difference", "CheckReport", "ReferenceRun", "compare_runs", "reference_run",
+           "tolerance_for_graph"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +75,39 @@ class Tolerance:
     noise_factor: float = 10.0
     """A parameter element is noise-dominated when its reference gradient, at some step, was below
     this many times the largest gradient difference seen; its updated value is not held to ``rtol``/``atol``."""
+    magnitude_rtol: float = 0.0
+    """Share of the tensor's largest magnitude added to each element's bound (mixed precision: a reduction's
+    rounding follows the magnitude of the terms it sums, not of its result)."""
+    rounding_factor: float = 0.0
+    """Multiple of each tensor's measured rounding (the policy's reference against its float32 twin) added to
+    its bound (:attr:`ReferenceRun.rounding`); 0 for float32 steps."""
+    dtype: str = "float32"
+    """The narrowest dtype the step computes in, which these figures are for."""
+
+
+TOLERANCES = {
+    "float32": Tolerance(),
+    "bfloat16": Tolerance(rtol=5e-2, magnitude_rtol=2e-2, dtype="bfloat16"),
+    "float16": Tolerance(rtol=1e-2, magnitude_rtol=4e-3, dtype="float16"),
+}
+"""Check tolerances by the narrowest floating dtype a step computes in (see the module docstring)."""
+
+
+MEASURED_TOLERANCES = {
+    "bfloat16": Tolerance(rtol=2e-2, rounding_factor=3.0, dtype="bfloat16"),
+    "float16": Tolerance(rtol=5e-3, rounding_factor=3.0, dtype="float16"),
+}
+"""Check tolerances of a step under a precision policy, whose rounding is measured against a float32 twin."""
+
+
+def tolerance_for_graph(graph: Any, measured: bool = False) -> Tolerance:
+    """The tolerance of a step: that of the narrowest floating dtype among its values (float32 if none is narrower);
+    ``measured``: the reference measured each tensor's rounding against a float32 twin run."""
+    dtypes = {value.spec.dtype for value in graph.iter_values()}
+    for dtype in ("bfloat16", "float16"):
+        if dtype in dtypes:
+            return (MEASURED_TOLERANCES if measured else TOLERANCES)[dtype]
+    return TOLERANCES["float32"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +142,17 @@ class CheckReport:
             listing = "; ".join(f"{d.name}: max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g}" for d in failed[:5])
             raise CheckError(
                 f"{len(failed)} of {len(self.differences)} tensors differ from the single-device run beyond "
-                f"rtol={self.tolerance.rtol:g}, atol={self.tolerance.atol:g}: {listing}"
+                f"{describe_tolerance(self.tolerance)}: {listing}"
             )
+
+
+def describe_tolerance(tolerance: Tolerance) -> str:
+    text = f"rtol={tolerance.rtol:g}, atol={tolerance.atol:g}"
+    if tolerance.magnitude_rtol:
+        text += f", {tolerance.magnitude_rtol:g} x max|tensor| ({tolerance.dtype})"
+    if tolerance.rounding_factor:
+        text += f", {tolerance.rounding_factor:g} x the {tolerance.dtype} rounding measured against float32"
+    return text
 
 
 @dataclass(frozen=True)
@@ -102,6 +165,11 @@ class ReferenceRun:
     """Gradients of the last step, by parameter name."""
     smallest_grads: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Per element, the smallest gradient magnitude over all steps (empty: use ``grads``)."""
+    tolerance: Tolerance = Tolerance()
+    """The tolerance for the dtypes the step computes in (:func:`tolerance_for_graph`)."""
+    rounding: Mapping[str, float] = field(default_factory=dict)
+    """Under a precision policy: per compared tensor (``loss[i]``, ``grad:name``, ``state:name``), the largest
+    difference between this run and the same steps in float32 (empty: not measured)."""
 
 
 def reference_run(
@@ -115,18 +183,48 @@ def reference_run(
     init_seed: int = 0,
     init_fn: Callable | None = None,
     expert_capacity_factor: float | None = None,
+    precision: Any = None,
 ) -> ReferenceRun:
     """Run ``steps`` steps of the captured graph on one device, on a copy of ``model``.
 
     A model with meta tensors is materialised whole (``materialize(copy, seed=init_seed)``):
-    the values the distributed run's shards hold.
+    the values the distributed run's shards hold. ``precision``: the policy the distributed run
+    uses; a GradScaler the step uses must be the reference's own (its state moves with the steps).
     """
+    from ..frontends.torch.precision import policy_of
+
+    policy = policy_of(precision)
+    run = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy)
+    if policy.is_mixed:  # the twin: the same step without the policy's casts
+        twin = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn,
+                              replace(policy, param_dtype=None))
+    elif run.tolerance.dtype != "float32":  # written under torch.autocast (or in a narrow dtype): try without autocast
+        twin = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy,
+                              autocast=False)
+        if twin.tolerance.dtype != "float32":
+            return run  # the step computes in a narrow dtype by itself: the fixed tolerance of that dtype
+    else:
+        return run
+    rounding = {f"loss[{step}]": abs(a - b) for step, (a, b) in enumerate(zip(run.losses, twin.losses))}
+    for kind, mine, theirs in (("grad", run.grads, twin.grads), ("state", run.state, twin.state)):
+        for name, tensor in mine.items():
+            if name in theirs and theirs[name].shape == tensor.shape and tensor.numel():
+                rounding[f"{kind}:{name}"] = float((tensor.double() - theirs[name].double()).abs().max())
+    return replace(run, tolerance=MEASURED_TOLERANCES.get(run.tolerance.dtype, run.tolerance), rounding=rounding)
+
+
+def _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy,
+                   autocast: bool = True) -> ReferenceRun:
+    from ..frontends.torch.precision import autocast_off
+
     model = copy.deepcopy(model)
     if has_meta_tensors(model):
         materialize(model, seed=init_seed, init_fn=init_fn)
     optimizer = make_optimizer(model.parameters())
-    torch_step = capture_step(train_step, model, optimizer, batch, keep_grads=True, name="reference",
-                              expert_capacity_factor=expert_capacity_factor)  # the same experts' dispatch
+    with contextlib.nullcontext() if autocast else autocast_off():
+        torch_step = capture_step(train_step, model, optimizer, batch, keep_grads=True, name="reference", precision=policy,
+                                  expert_capacity_factor=expert_capacity_factor)  # the same experts' dispatch
+    scaler_start = _scaler_start(torch_step.scaler)
     torch.manual_seed(seed)
     losses, smallest = [], {}
     for _ in range(steps):
@@ -139,7 +237,21 @@ def reference_run(
     state = {slot.name: tensor.detach().clone() for slot, tensor in zip(torch_step.slots, full)
              if slot.kind in ("param", "buffer", "state")}
     grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.grad is not None}
-    return ReferenceRun(tuple(losses), state, grads, smallest)
+    _restore_scaler(torch_step.scaler, scaler_start)  # a second run of the same step starts where this one did
+    return ReferenceRun(tuple(losses), state, grads, smallest, tolerance_for_graph(torch_step.graph))
+
+
+def _scaler_start(scaler: Any) -> dict:
+    from ..frontends.torch.scaler import SCALER_STATE_KEYS, scaler_state
+
+    return {} if scaler is None else {key: scaler_state(scaler, key).clone() for key in SCALER_STATE_KEYS}
+
+
+def _restore_scaler(scaler: Any, start: dict) -> None:
+    from ..frontends.torch.scaler import write_scaler_state
+
+    for key, tensor in start.items():
+        write_scaler_state(scaler, key, tensor)
 
 
 def compare_runs(
@@ -147,14 +259,16 @@ def compare_runs(
     losses: list[float],
     state: Mapping[str, torch.Tensor],
     grads: Mapping[str, torch.Tensor] | None,
-    tolerance: Tolerance = Tolerance(),
+    tolerance: Tolerance | None = None,
 ) -> CheckReport:
     """Compare a distributed run with the reference: every loss, gradient and state tensor.
 
     ``grads=None`` compares no gradients (a plan made for the step without gradient outputs).
+    ``tolerance``: None takes the reference's (by the dtypes its step computes in).
     """
+    tolerance = reference.tolerance if tolerance is None else tolerance
     differences = [
-        _difference(f"loss[{step}]", torch.tensor(got), torch.tensor(want), tolerance)
+        _difference(f"loss[{step}]", torch.tensor(got), torch.tensor(want), tolerance, rounding=reference.rounding)
         for step, (got, want) in enumerate(zip(losses, reference.losses))
     ]
     if len(losses) != len(reference.losses):
@@ -168,18 +282,21 @@ def compare_runs(
         missing = sorted(set(want_all) ^ set(got_all))
         if missing:
             raise CheckError(f"the runs hold different {kind} tensors: {missing[:5]} in only one of them")
-    grad_differences = [_difference(f"grad:{name}", grads[name], reference.grads[name], tolerance) for name in sorted(grads)]
+    grad_differences = [_difference(f"grad:{name}", grads[name], reference.grads[name], tolerance, rounding=reference.rounding)
+                        for name in sorted(grads)]
     noise_floor = tolerance.noise_factor * max((d.max_abs for d in grad_differences), default=0.0)
     differences += grad_differences
     for name in sorted(reference.state):
         # params only: optimizer states and buffers are held to the tolerance
         gradient = reference.smallest_grads.get(name, reference.grads.get(name))
         noise = None if gradient is None else gradient.detach().cpu().double().abs() <= noise_floor
-        differences.append(_difference(f"state:{name}", state[name], reference.state[name], tolerance, noise))
+        differences.append(_difference(f"state:{name}", state[name], reference.state[name], tolerance, noise,
+                                       rounding=reference.rounding))
     return CheckReport(tuple(differences), tolerance)
 
 
-def _difference(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: Tolerance, noise: torch.Tensor | None = None) -> Difference:
+def _difference(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: Tolerance, noise: torch.Tensor | None = None,
+                rounding: Mapping[str, float] | None = None) -> Difference:
     """Largest differences; ``noise`` marks elements whose misses are excused (counted, not failed)."""
     if got.shape != want.shape:
         raise CheckError(f"{name}: the distributed run has shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
@@ -190,6 +307,9 @@ def _difference(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: Tol
     max_abs = float(error.max())
     significant = want.abs() > tolerance.atol  # relative error means little near zero
     max_rel = float((error[significant] / want.abs()[significant]).max()) if bool(significant.any()) else 0.0
-    missed = error > tolerance.atol + tolerance.rtol * want.abs()
+    bound = tolerance.atol + tolerance.rtol * want.abs() + tolerance.magnitude_rtol * float(want.abs().max())
+    if tolerance.rounding_factor:
+        bound = bound + tolerance.rounding_factor * (rounding or {}).get(name, 0.0)
+    missed = error > bound
     excused = int((missed & noise).sum()) if noise is not None else 0
     return Difference(name, max_abs, max_rel, int(missed.sum()) == excused, excused)

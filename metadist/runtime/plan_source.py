@@ -91,13 +91,14 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
     if cluster is None and not torch.cuda.is_available():
         cluster = "cpu-gloo"
     rules = rules_from_database(torch_step.graph, TorchExecutor())  # marks the "discovery" phase
+    reduce_dtype = torch_step.precision.reduce_dtype
     resolved = resolve_cluster(cluster, mesh)
     with phase("solve"):
         if source == "solver":
             restrictions = Restrictions(input_shardings={name: frozenset({sharding}) for name, sharding in pinned.items()})
             return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes,
-                              bucket_cap_bytes=bucket_cap_bytes, restrictions=restrictions)
-        return baseline_plan(torch_step.graph, rules, resolved, source)
+                              bucket_cap_bytes=bucket_cap_bytes, restrictions=restrictions, reduce_dtype=reduce_dtype)
+        return baseline_plan(torch_step.graph, rules, resolved, source, reduce_dtype=reduce_dtype)
 
 
 def _broadcast_text(text: str) -> str:

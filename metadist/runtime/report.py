@@ -12,6 +12,7 @@ from ..cli.common import human_bytes
 from ..ir import format_sharding
 from ..ir.plan import Plan
 from ..lowering import CoalescedReshard, RankProgram
+from .check import describe_tolerance
 
 __all__ = ["Reporter"]
 
@@ -105,7 +106,7 @@ class Reporter:
             kind = d.name.split(":")[0].split("[")[0]
             old = by_kind.get(kind, (0.0, 0.0))
             by_kind[kind] = (max(old[0], d.max_abs), max(old[1], d.max_rel))
-        table = Table(title=f"check against one device (rtol {report.tolerance.rtol:g}, atol {report.tolerance.atol:g})")
+        table = Table(title=f"check against one device ({describe_tolerance(report.tolerance)})")
         for column in ("what", "max abs diff", "max rel diff"):
             table.add_column(column)
         for kind, (max_abs, max_rel) in by_kind.items():

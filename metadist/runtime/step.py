@@ -18,6 +18,7 @@ batch, runs the rank program, and rebinds the updated shards in place. The loss
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
@@ -28,6 +29,8 @@ from ..frontends.torch import TorchStep
 from ..frontends.torch.capture import hyperparameter_tensor
 from ..frontends.torch.materialize import iter_materialized
 from ..frontends.torch.optim import hyperparameter_values, optimizer_spec, optimizer_structure
+from ..frontends.torch.precision import SUBNORMAL_METRIC, underflow_warning
+from ..frontends.torch.scaler import scaler_settings, scaler_state, write_scaler_state
 from ..ir import Replicate, Role, Shard
 from ..ir.plan import Plan
 from ..lowering import ProgramInput, RankProgram, lower, plan_resharding
@@ -37,6 +40,7 @@ from .errors import RunInputError, RuntimeSetupError
 from .graph_module import CheckingInterpreter, build_rank_module
 from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
 from .outside import enable_outside_forward
+from .precision_check import check_device_precision
 from .start_state import (
     BroadcastReport, broadcast_rng_state, broadcast_start_state, check_same_batch, check_same_structure, gather_batch_dim0,
 )
@@ -94,6 +98,7 @@ class CompiledStep:
         self.plan = plan
         self.device_mesh = device_mesh
         self.coords = tuple(device_mesh.get_coordinate())
+        check_device_precision(torch_step.precision, _device_of(device_mesh))
         self.program: RankProgram = lower(torch_step.graph, plan, self.coords, bucket_cap_bytes=bucket_cap_bytes,
                                           overlap=overlap)
         self.comm = Collectives.from_device_mesh(device_mesh)
@@ -116,6 +121,11 @@ class CompiledStep:
         self._draws_random = any(node.op.is_random for node in torch_step.graph.nodes)
         self.broadcast: BroadcastReport | None = None
         """What placing the state broadcast (None until the state is placed)."""
+        self.metrics: dict[str, float] = {}
+        """The step's metric outputs after the last call (the float16 subnormal-gradient count), by source."""
+        self.precision_warning: str | None = None
+        """The float16 underflow warning of the first call, if its gradients underflowed."""
+        self._underflow_checked = False
 
     # -- running -------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> Any:
@@ -231,9 +241,22 @@ class CompiledStep:
                 inputs.append(hyperparameter_tensor(hyper, slot).to(self.device))
             elif slot.kind == "constant":
                 inputs.append(self._constants[program_input.name])
+            elif slot.kind == "scaler":
+                inputs.append(self._scaler_input(slot))
             else:
                 inputs.append(self._batch_piece(leaves, slot, program_input))
         return inputs
+
+    def _scaler_input(self, slot) -> torch.Tensor:
+        """The GradScaler's scale or growth tracker (replicated), after checking its constants did not change."""
+        scaler = self.torch_step.scaler
+        if scaler_settings(scaler) != self.torch_step.scaler_settings:
+            raise RunInputError(
+                f"the GradScaler's growth factor, backoff factor or growth interval changed since the step was captured "
+                f"({self.torch_step.scaler_settings} -> {scaler_settings(scaler)}); they are constants of the compiled step: "
+                "compile the step again"
+            )
+        return scaler_state(scaler, slot.state_key).to(self.device)
 
     def _check_batch(self, leaves: list) -> None:
         if self.batch_mode != "global" or self.verify_batch == "never" or (self._batch_checked and self.verify_batch == "first"):
@@ -277,13 +300,28 @@ class CompiledStep:
     def _store(self, outputs: tuple[torch.Tensor, ...]) -> Any:
         user_leaves = []
         for graph_output, program_output, tensor in zip(self.torch_step.graph.outputs, self.program.outputs, outputs):
-            if graph_output.replaces is not None:
+            slot = self._slots.get(graph_output.replaces)
+            if slot is not None and slot.kind == "scaler":
+                write_scaler_state(self.torch_step.scaler, slot.state_key, tensor)
+            elif graph_output.replaces is not None:
                 self._binding.write(graph_output.replaces, tensor)
             elif graph_output.role is Role.GRAD:
                 self._grads[graph_output.source.removeprefix("grad:")] = tensor
+            elif graph_output.role is Role.METRIC:
+                self.metrics[graph_output.source] = float(self._gather(tensor, graph_output.name, program_output.sharding))
             else:
                 user_leaves.append(self._gather(tensor, graph_output.name, program_output.sharding))
+        self._warn_underflow()
         return pytree.tree_unflatten(user_leaves, self.torch_step.output_tree)
+
+    def _warn_underflow(self) -> None:
+        """Warn once (rank 0) when a float16 step without loss scaling has underflowing gradients."""
+        if SUBNORMAL_METRIC not in self.metrics or self._underflow_checked:
+            return
+        self._underflow_checked = True
+        self.precision_warning = underflow_warning(int(self.metrics[SUBNORMAL_METRIC]), self.torch_step.watched_grad_elements)
+        if self.precision_warning is not None and not any(self.coords):
+            warnings.warn(self.precision_warning, stacklevel=3)
 
     # -- full tensors on request ---------------------------------------------
     def _gather(self, local: torch.Tensor, value_name: str, sharding: tuple) -> torch.Tensor:

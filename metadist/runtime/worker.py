@@ -71,6 +71,12 @@ class WorkerConfig:
     """Rank 0 writes the run's :class:`metadist.runtime.summary.RunSummary` here as JSON (None: nowhere)."""
     expert_capacity_factor: float | None = None
     """Mixture-of-experts layers: slots per expert as a factor of the even share (None: dropless)."""
+    precision: str | None = None
+    """``fp32``, ``bf16`` or ``fp16`` (a mixed precision policy, :mod:`metadist.ir.precision`); None: as written."""
+    reduce_dtype: str | None = "default"
+    """The policy's gradient reduce dtype (``default``: float32 for mixed policies)."""
+    loss_scaling: bool = True
+    """With ``fp16``: scale the loss with a ``torch.amp.GradScaler`` (False shows the underflow warning)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -95,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--summary-json", default=None)
     parser.add_argument("--expert-capacity-factor", type=float, default=None)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--reduce-dtype", default="default")
+    parser.add_argument("--no-loss-scaling", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -110,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         overlap=not args.no_overlap, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         summary_path=args.summary_json,
         expert_capacity_factor=args.expert_capacity_factor,
+        precision=args.precision, reduce_dtype=args.reduce_dtype, loss_scaling=not args.no_loss_scaling,
     )
 
 
@@ -129,18 +139,22 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     workload = _load_workload(config)
     parameters = sum(parameter.numel() for parameter in workload.model.parameters())
     optimizer = workload.optimizer(workload.model.parameters())
-    train_step = workload.train_step()
+    policy = _policy(config)
+    train_step = _train_step(config, workload, policy, device_mesh)
     start = _one_start(workload, optimizer, device_mesh)
     reporter.note(start.describe())
+    if config.precision is not None:
+        reporter.note(f"precision {policy.describe()}" + ("; loss scaled by a GradScaler" if _scales_loss(config, policy) else ""))
     plan_source = read_plan_source(config.plan)
     enter("capture")
-    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check, name=workload.name or "step",
+    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check,
+                              name=workload.name or "step", precision=policy,
                               expert_capacity_factor=config.expert_capacity_factor)
     compare_grads = config.check
     if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
         without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step",
-                                     expert_capacity_factor=config.expert_capacity_factor)
+                                     precision=policy, expert_capacity_factor=config.expert_capacity_factor)
         if plan_source.graph_fingerprint == graph_fingerprint(without_grads.graph):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
@@ -154,7 +168,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
     enter("reference run", quiet=not config.check)
-    reference = _reference(config, workload, train_step) if config.check else None
+    reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy) if config.check else None
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
@@ -169,6 +183,8 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
         loss = compiled(workload.model, optimizer, workload.batch)
         losses.append(float(loss))
         reporter.step(step, losses[-1], time.perf_counter() - started)
+        if compiled.precision_warning and step == start:
+            reporter.note(f"warning: {compiled.precision_warning}")
         if checkpointer is not None and ((step + 1) % checkpointer.every == 0 or step + 1 == config.steps):
             checkpointer.save(step + 1, workload.model, optimizer)
             reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
@@ -259,11 +275,30 @@ def _load_workload(config: WorkerConfig):
     return load_workload(config.model)
 
 
-def _reference(config: WorkerConfig, workload, train_step):
+def _reference(config: WorkerConfig, workload, train_step, policy):
     from .check import reference_run
 
     return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed,
-                         init_seed=config.init_seed, expert_capacity_factor=config.expert_capacity_factor)
+                         init_seed=config.init_seed, precision=policy, expert_capacity_factor=config.expert_capacity_factor)
+
+
+def _policy(config: WorkerConfig):
+    from ..ir import PrecisionPolicy
+
+    if config.precision is None:
+        return PrecisionPolicy() if config.reduce_dtype in ("default", None) else PrecisionPolicy.named("fp32", config.reduce_dtype)
+    return PrecisionPolicy.named(config.precision, config.reduce_dtype)
+
+
+def _scales_loss(config: WorkerConfig, policy) -> bool:
+    return policy.needs_loss_scaling and config.loss_scaling
+
+
+def _train_step(config: WorkerConfig, workload, policy, device_mesh):
+    """The workload's step; under fp16 with a GradScaler of its own (each call: a fresh scaler, for the reference too)."""
+    if not _scales_loss(config, policy):
+        return workload.train_step()
+    return workload.train_step(scaler=torch.amp.GradScaler(device_mesh.device_type))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,18 @@ def tolerance_for(dtype: str) -> Tolerance:
     return _TOLERANCES.get(dtype, Tolerance(0.0, exact=True))
 
 
+def coarser_dtype(output_dtype: str, input_dtype: str) -> str:
+    """The dtype a partial pass is judged in: the output's, or the partial input's where that is coarser.
+
+    The parts of a ``bfloat16`` input add up to the whole only within ``bfloat16`` rounding, so an op that
+    widens them (the ``float32`` cast a mixed-precision gradient goes through before its reduction) cannot
+    reproduce the whole more closely than that: its pass is held to ``bfloat16``'s tolerance.
+    """
+    if tolerance_for(input_dtype).exact:
+        return output_dtype
+    return max((output_dtype, input_dtype), key=lambda dtype: tolerance_for(dtype).rtol)
+
+
 def close(got: np.ndarray, want: np.ndarray, dtype: str, scale: float | None = None) -> bool:
     """Whether ``got`` matches ``want`` (same shape; NaN never matches).
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Reduce, Rule
 from . import attention
-from .combine import check_combine, close, infer_combine, tolerance_for
+from .combine import check_combine, close, coarser_dtype, infer_combine, tolerance_for
 from .executor import ExecutionRefused, OpCall, OpExecutor
 from .halo import halo_factor
 from .shapes import piece_sizes, standin_reshape, standin_shapes
@@ -558,7 +558,7 @@ def _parts_recombine(call: OpCall, executor: OpExecutor, draw: _Draw, index: int
         if whole is None:
             continue
         pieces = [outputs[position] for outputs in results]
-        dtype = call.node.outputs[position].spec.dtype  # type: ignore[union-attr]
+        dtype = coarser_dtype(call.node.outputs[position].spec.dtype, call.input_specs[index].dtype)  # type: ignore[union-attr]
         if any(p is None or p.shape != whole.shape for p in pieces):
             return False
         stacked = np.stack(pieces)

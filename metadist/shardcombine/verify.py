@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from ..ir.rule import Concat, Factor, PartialPass, halo_trim
-from .combine import check_combine, close, recombine
+from .combine import check_combine, close, coarser_dtype, recombine
 from .discover import affine_parts, split_value
 from .halo import extend_piece, trim_piece
 from .executor import OpCall, OpExecutor
@@ -124,7 +124,7 @@ def check_partial_pass(
         stacked = np.stack([outputs[index] for outputs in results])
         reduce = {"sum": np.sum, "max": np.max, "min": np.min}[partial.op]
         got = reduce(stacked, axis=0)
-        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+        dtype = coarser_dtype(call.node.outputs[index].spec.dtype, call.input_specs[partial.input].dtype)  # type: ignore[union-attr]
         scale = float(np.max(np.abs(stacked), initial=1.0)) if partial.op == "sum" else None
         if not close(got, want, dtype, scale=scale):
             return Mismatch(index, f"Partial({partial.op}) parts do not reduce to the whole", float(np.max(np.abs(got - want))))

@@ -88,7 +88,7 @@ def baseline_choices(problem: Any, kind: str) -> dict[int, frozenset[int]] | Non
 
 
 def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0,
-                  uneven_shards: bool = True) -> Plan:
+                  uneven_shards: bool = True, reduce_dtype: str | None = None) -> Plan:
     """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget.
 
     Graph inputs start evenly split, as the baselines' systems split them; ``uneven_shards`` lets the
@@ -97,5 +97,6 @@ def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_li
     if kind not in BASELINES:
         raise SolverError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=time_limit_s,
-                      restrictions=_restrictions(graph, cluster.mesh, kind), uneven_shards=uneven_shards)
+                      restrictions=_restrictions(graph, cluster.mesh, kind), uneven_shards=uneven_shards,
+                      reduce_dtype=reduce_dtype)
     return replace(plan, solver={**plan.solver, "kind": kind})

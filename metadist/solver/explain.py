@@ -9,6 +9,7 @@ plan explains itself without the graph or the rules; :func:`explain` writes it o
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from ..ir.plan import Plan
@@ -61,7 +62,8 @@ def explanation_data(problem: Problem, choice: Mapping[int, int], budget: float 
         chosen, unit = choice[c], problem.units[c]
         for member, name in enumerate(unit.members):
             mine = unit.strategies[chosen][member]
-            others = [s for s in range(len(compute)) if unit.strategies[s][member] != mine]
+            others = [s for s in range(len(compute))  # forbidden alternatives (inf: a precision policy's) are no runner-up
+                      if unit.strategies[s][member] != mine and math.isfinite(compute[s] + comm[s])]
             record = {"tied_copies": tied[c], "unit_size": len(unit.members), "chosen": _describe(mine),
                       "compute_s": compute[chosen], "comm_s": comm[chosen]}
             if others:

@@ -26,6 +26,9 @@ Constraints
     memory_budget:              sum_{c,s} memory_bytes[k][c][s] x[c, s]
                                   <= memory_budget_bytes - memory_constant_bytes[k]  for each peak k
 
+A resharding a precision policy forbids (a gradient reduced in another dtype, :mod:`.precision`) is priced
+``inf``: every variable carrying it is fixed to 0 instead of entering the objective.
+
 A second mode (``minimize_memory``) replaces the objective by a variable ``M`` bounding every
 peak (``memory_budget`` with ``M`` on the right): the smallest footprint any plan reaches, used
 to explain an infeasible budget.
@@ -41,6 +44,7 @@ Otherwise branch and bound runs from the rounded plan within the time limit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -99,6 +103,7 @@ class ShardingILP:
         started = time.perf_counter()
         self.problem, self.budget, self.minimize_memory = problem, memory_budget_bytes, minimize_memory
         self.cost: list[float] = []
+        self.upper: list[float] = []
         self.integer: list[bool] = []
         self.rows: list[tuple[list[int], list[float], float, float]] = []
         self.x: dict[int, list[int]] = {}
@@ -106,6 +111,8 @@ class ShardingILP:
         self.strategy_variables()
         self.edge_variables()
         self.memory_variable = self._new_variable(1.0, False) if minimize_memory else None
+        if self.memory_variable is not None:
+            self.upper[self.memory_variable] = highspy.kHighsInf
         self.one_strategy_per_class()
         self.edge_producer_marginals()
         self.edge_consumer_marginals()
@@ -113,8 +120,11 @@ class ShardingILP:
         self.build_s = time.perf_counter() - started
         self._relaxation: highspy.Highs | None = None
 
-    def _new_variable(self, cost: float, integer: bool) -> int:
-        self.cost.append(cost)
+    def _new_variable(self, cost: float, integer: bool, weight: float = 1.0) -> int:
+        """A variable of objective coefficient ``weight * cost``; fixed to 0 when ``cost`` is forbidden (inf)."""
+        forbidden = math.isinf(cost)
+        self.cost.append(0.0 if forbidden else weight * cost)
+        self.upper.append(0.0 if forbidden else 1.0)
         self.integer.append(integer)
         return len(self.cost) - 1
 
@@ -125,13 +135,13 @@ class ShardingILP:
         for c in self.problem.classes:
             compute, comm = self.problem.compute_s[c], self.problem.linear_comm_s[c]
             if len(compute) > 1:
-                self.x[c] = [self._new_variable(weight * (a + b), True) for a, b in zip(compute, comm)]
+                self.x[c] = [self._new_variable(a + b, True, weight) for a, b in zip(compute, comm)]
 
     def edge_variables(self) -> None:
         """``y[e, p, q]`` in [0, 1] for every edge between two classes with choices."""
         weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
         for edge in self.problem.edges:
-            self.y.append([[self._new_variable(weight * cost, False) for cost in row] for row in edge.comm_s])
+            self.y.append([[self._new_variable(cost, False, weight) for cost in row] for row in edge.comm_s])
 
     # -- constraints ------------------------------------------------------------
     def one_strategy_per_class(self) -> None:
@@ -170,10 +180,7 @@ class ShardingILP:
         lp.num_col_, lp.num_row_ = len(self.cost), len(self.rows)
         lp.col_cost_ = np.array(self.cost)
         lp.col_lower_ = np.zeros(len(self.cost))
-        upper = np.ones(len(self.cost))
-        if self.memory_variable is not None:
-            upper[self.memory_variable] = highspy.kHighsInf
-        lp.col_upper_ = upper
+        lp.col_upper_ = np.array(self.upper)
         lp.row_lower_ = np.array([row[2] for row in self.rows])
         lp.row_upper_ = np.array([row[3] for row in self.rows])
         lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
@@ -265,6 +272,9 @@ class ShardingILP:
         is usually integral, and an integral optimum of the relaxation is optimal for the ILP.
         Otherwise the MIP runs (branch and bound) within what is left of the time limit.
         """
+        if math.isinf(self.constant_s()):
+            raise SolverError("no plan reduces every gradient in the precision policy's reduce dtype: a node with a "
+                              "single strategy reduces one in another dtype; choose another reduce dtype")
         if not self.cost:
             return Solution(choice={c: 0 for c in self.problem.classes}, objective_s=self.constant_s(),
                             stats=self._stats(0.0, "Optimal", 0.0, 0, "no choices"))

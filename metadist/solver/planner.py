@@ -46,6 +46,7 @@ def plan_graph(
     restrictions: Restrictions = Restrictions(),
     bucket_cap_bytes: float | None = None,
     uneven_shards: bool = True,
+    reduce_dtype: str | None = None,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest strategies that fit ``memory_budget_bytes`` per device.
 
@@ -55,12 +56,16 @@ def plan_graph(
     which decides how update-phase collectives are priced (:mod:`metadist.cost.bucketing`).
     ``uneven_shards``: False plans even splits only, for a runtime that cannot hold ``torch.chunk`` pieces
     (JAX: ``jit``'s in and out shardings must divide every dim).
+    ``reduce_dtype``: a precision policy's gradient reduce dtype (:mod:`.precision`); None leaves it free.
     """
     if solver not in SOLVERS:
         raise SolverError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
+    check_device_dtypes(graph, cluster)
     rule_map, missing = split_rules(rules)
     if not uneven_shards:
         restrictions = replace(restrictions, uneven_shards=False)
+    if reduce_dtype is not None:
+        restrictions = replace(restrictions, reduce_dtype=reduce_dtype)
     budget = cluster.device.memory_capacity_bytes if memory_budget_bytes is None else memory_budget_bytes
     budget = None if budget == float("inf") else float(budget)
     problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes))
@@ -80,6 +85,18 @@ def plan_graph(
             MAX_PEAK_ROUNDS, figures["memory_bytes_peak"], figures["memory_peak_node"], budget,
         )
     return _make_plan(graph, problem, solution, assignment, figures, budget)
+
+
+def check_device_dtypes(graph: Graph, cluster: Cluster) -> None:
+    """A clear error when the step computes in a dtype the cluster's device lacks (bfloat16 on a V100)."""
+    used = {value.spec.dtype for value in graph.iter_values()}
+    lacking = sorted(dtype for dtype in used if not cluster.device.supports(dtype))
+    if lacking:
+        raise SolverError(
+            f"the step computes in {', '.join(lacking)}, which the {cluster.device.name or 'device'} of cluster "
+            f"{cluster.name!r} does not support; train in a precision it has (fp16 with a GradScaler, or fp32) or plan "
+            "for another --cluster"
+        )
 
 
 def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: float, beam_width: int) -> Solution:

@@ -27,6 +27,8 @@ from ..cost import (
 )
 from ..ir import Graph, Partial, Replicate, Rule
 from ..ir.plan import NodeStrategy
+from ..cost.bucketing import CAST_OPS
+from .precision import FORBIDDEN_S, reduces_partial, restricted_values
 from .shrink import follower_choice, tie_inputs, tie_nodes
 from .strategies import StrategySet, input_strategies, node_strategies
 
@@ -94,6 +96,8 @@ class Restrictions:
     """Graph input name -> the shardings it may take."""
     uneven_shards: bool = True
     """Whether dims may be split unevenly (``torch.chunk`` pieces); False for a runtime that takes even shards only."""
+    reduce_dtype: str | None = None
+    """A precision policy's gradient reduce dtype: gradient-shaped values reduce in it only (:mod:`.precision`)."""
 
 
 def _member_strategies(graph: Graph, rules: Mapping[str, Rule], cluster: Cluster, restrictions: Restrictions):
@@ -152,7 +156,7 @@ class _SetFacts:
         return self.canonical[id(found)]
 
 
-def _merge_followers(graph: Graph, sets, compute, price, facts: _SetFacts):
+def _merge_followers(graph: Graph, sets, compute, price, facts: _SetFacts, restricted: frozenset[str]):
     """Units after follower merging: members, rows[s][m] (strategy index of member m), is_input."""
     members: list[list[str]] = []
     rows: list[list[list[int]]] = []
@@ -160,7 +164,8 @@ def _merge_followers(graph: Graph, sets, compute, price, facts: _SetFacts):
     where: dict[str, tuple[int, int]] = {}
     node_names = {node.name for node in graph.nodes}
     for name in [gi.value.name for gi in graph.inputs] + [node.name for node in graph.nodes]:
-        if name in node_names and _try_follow(graph, graph.node(name), sets, compute, where, members, rows, price, facts):
+        if name in node_names and _try_follow(graph, graph.node(name), sets, compute, where, members, rows, price, facts,
+                                              restricted):
             continue
         where[name] = (len(members), 0)
         members.append([name]), rows.append([[i] for i in range(len(sets[name].strategies))])
@@ -168,23 +173,28 @@ def _merge_followers(graph: Graph, sets, compute, price, facts: _SetFacts):
     return members, rows, is_input
 
 
-def _try_follow(graph, node, sets, compute, where, members, rows, price, facts: _SetFacts) -> bool:
+def _try_follow(graph, node, sets, compute, where, members, rows, price, facts: _SetFacts, restricted) -> bool:
     """Merge ``node`` into its only input's unit if it can just follow it (see :mod:`.shrink`)."""
     distinct = set(node.input_names)
     if len(distinct) != 1 or len(sets[node.name].strategies) <= 1:
         return False
+    if any(value.name in restricted for value in node.output_values):
+        return False  # its greedy choice (pass a Partial on) could leave only forbidden reductions: the ILP decides
     value = distinct.pop()
+    if node.op.target in CAST_OPS and graph.producer(value) is None:
+        return False  # a parameter's cast (mixed precision): cast the shard and gather the copy, or not, is the ILP's
     producer = graph.producer(value)
     leader_name = value if producer is None else producer.name
     output_index = 0 if producer is None else [v.name if v else None for v in producer.outputs].index(value)
     unit, member = where[leader_name]
     leader_set = sets[members[unit][member]]
     column = tuple(row[member] for row in rows[unit])
-    spec = graph.value(value).spec
-    key = (id(leader_set), column, output_index, id(sets[node.name]), spec)
+    spec, limited = graph.value(value).spec, value in restricted
+    key = (id(leader_set), column, output_index, id(sets[node.name]), spec, limited)
     if key not in facts.follow:
         leader_outputs = [leader_set.strategies[i].outputs[output_index] for i in column]
-        facts.follow[key] = follower_choice(leader_outputs, facts.single(sets[node.name]), compute[node.name], lambda p, q: price(spec, p, q))
+        facts.follow[key] = follower_choice(leader_outputs, facts.single(sets[node.name]), compute[node.name],
+                                            lambda p, q: price(spec, p, q, restricted=limited))
     choice = facts.follow[key]
     if choice is None:
         return False
@@ -195,10 +205,10 @@ def _try_follow(graph, node, sets, compute, where, members, rows, price, facts: 
     return True
 
 
-def _build_units(graph: Graph, sets, compute, price) -> tuple[list[Unit], list[list[float]]]:
+def _build_units(graph: Graph, sets, compute, price, restricted) -> tuple[list[Unit], list[list[float]]]:
     """Merge followers, then drop strategies whose shardings repeat a cheaper one's (dominated)."""
     facts = _SetFacts()
-    members, rows, is_input = _merge_followers(graph, sets, compute, price, facts)
+    members, rows, is_input = _merge_followers(graph, sets, compute, price, facts, restricted)
     units, unit_seconds, memo = [], [], {}
     for names, unit_rows, flag in zip(members, rows, is_input):
         key = (tuple(id(sets[name]) for name in names), tuple(map(tuple, unit_rows)))
@@ -250,7 +260,9 @@ class _Reshard:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster, self.by_identity, self.by_value = cluster, {}, {}
 
-    def __call__(self, spec, src, dst, fixed_share: float = 1.0) -> float:
+    def __call__(self, spec, src, dst, fixed_share: float = 1.0, restricted: bool = False) -> float:
+        if restricted and reduces_partial(src, dst):
+            return FORBIDDEN_S  # a gradient reduced in a dtype the precision policy does not allow
         key = (id(spec), id(src), id(dst), fixed_share)
         hit = self.by_identity.get(key)
         if hit is not None:
@@ -263,18 +275,19 @@ class _Reshard:
         return seconds
 
 
-def _edge_endpoints(graph: Graph, member_unit, bucketing: Bucketing):
-    """(producer (unit, member, output index), consumer (unit, member, slot or -1 for state), spec, fixed-cost share) per edge."""
+def _edge_endpoints(graph: Graph, member_unit, bucketing: Bucketing, restricted: frozenset[str]):
+    """(producer (unit, member, output index), consumer (unit, member, slot or -1 for state), spec, fixed-cost share,
+    reduce-dtype restricted) per edge."""
     for node in graph.nodes:
         consumer = member_unit[node.name]
         for slot, name in enumerate(node.input_names):
             yield (_producer_of(graph, name, member_unit), (*consumer, slot), graph.value(name).spec,
-                   bucketing.share(name, node.name))
+                   bucketing.share(name, node.name), name in restricted)
     for graph_output in graph.outputs:
         if graph_output.replaces is not None:
             consumer = member_unit[graph_output.replaces]
             yield (_producer_of(graph, graph_output.name, member_unit), (*consumer, -1), graph.value(graph_output.name).spec,
-                   bucketing.share(graph_output.name, OUTPUT_CONSUMER))
+                   bucketing.share(graph_output.name, OUTPUT_CONSUMER), graph_output.name in restricted)
 
 
 def _producer_of(graph: Graph, value_name: str, member_unit) -> tuple[int, int, int]:
@@ -289,33 +302,34 @@ def _consumer_sharding(unit: Unit, strategy: int, member: int, slot: int) -> tup
     return row.outputs[0] if slot == -1 else row.inputs[slot]
 
 
-def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing):
+def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, restricted: frozenset[str]):
     """Linear edge costs per class strategy, and the ClassEdges that need edge variables."""
     linear = {c: [0.0] * len(units[c].strategies) for c in set(unit_class)}
     counts: dict[tuple, int] = {}
     inside: dict[tuple, int] = {}  # edges inside one unit (a follower that reshards its input), by class
-    for (pu, pm, pk), (cu, cm, slot), spec, share in _edge_endpoints(graph, member_unit, bucketing):
+    for (pu, pm, pk), (cu, cm, slot), spec, share, limited in _edge_endpoints(graph, member_unit, bucketing, restricted):
         if pu == cu:
-            key = (unit_class[pu], pm, pk, cm, slot, spec, share)
+            key = (unit_class[pu], pm, pk, cm, slot, spec, share, limited)
             inside[key] = inside.get(key, 0) + 1
             continue
-        key = (unit_class[pu], pm, pk, unit_class[cu], cm, slot, spec, share)
+        key = (unit_class[pu], pm, pk, unit_class[cu], cm, slot, spec, share, limited)
         counts[key] = counts.get(key, 0) + 1
-    for (c, pm, pk, cm, slot, spec, share), count in inside.items():
+    for (c, pm, pk, cm, slot, spec, share, limited), count in inside.items():
         unit = units[c]
         for s in range(len(unit.strategies)):
-            linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot), share)
+            linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot), share,
+                                          limited)
     merged: dict[tuple, list[list[float]]] = {}
-    priced: dict[tuple, list[list[float]]] = {}  # (spec, shardings, share) -> seconds: many edges carry the same tensor kind
-    for (a, pm, pk, b, cm, slot, spec, share), count in counts.items():
+    priced: dict[tuple, list[list[float]]] = {}  # (spec, shardings, share, limited) -> seconds: many edges carry the same tensor kind
+    for (a, pm, pk, b, cm, slot, spec, share, limited), count in counts.items():
         p_all = [_output_sharding(units[a], s, pm, pk) for s in range(len(units[a].strategies))]
         q_all = [_consumer_sharding(units[b], t, cm, slot) for t in range(len(units[b].strategies))]
         p_index, q_index = {p: i for i, p in enumerate(dict.fromkeys(p_all))}, {q: i for i, q in enumerate(dict.fromkeys(q_all))}
         p_list, q_list = tuple(p_index), tuple(q_index)
-        key = (spec, p_list, q_list, share)
+        key = (spec, p_list, q_list, share, limited)
         seconds = priced.get(key)
         if seconds is None:
-            seconds = priced[key] = [[price(spec, p, q, share) for q in q_list] for p in p_list]
+            seconds = priced[key] = [[price(spec, p, q, share, limited) for q in q_list] for p in p_list]
         matrix = [[count * x for x in row] for row in seconds]
         p_label = tuple(p_index[p] for p in p_all)
         q_label = tuple(q_index[q] for q in q_all)
@@ -340,7 +354,7 @@ def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing):
     return linear, edges
 
 
-def _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing: Bucketing) -> None:
+def _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing: Bucketing, restricted) -> None:
     """Outputs that do not replace state end replicated where they come out Partial: charge it."""
     for graph_output in graph.outputs:
         if graph_output.replaces is not None:
@@ -350,7 +364,8 @@ def _output_linear(graph, units, member_unit, unit_class, price, linear, bucketi
         share = bucketing.share(graph_output.name, OUTPUT_CONSUMER)
         for s in range(len(units[unit_index].strategies)):
             src = _output_sharding(units[unit_index], s, member, k)
-            linear[unit_class[unit_index]][s] += price(spec, src, final_output_sharding(src), share)
+            linear[unit_class[unit_index]][s] += price(spec, src, final_output_sharding(src), share,
+                                                       graph_output.name in restricted)
 
 
 def final_output_sharding(sharding: tuple) -> tuple:
@@ -412,7 +427,8 @@ def build_problem(
     bucketing = bucketing_for(graph) if bucketing is None else bucketing
     sets, compute = _member_strategies(graph, rules, cluster, restrictions)
     price = _Reshard(cluster)
-    units, unit_seconds = _build_units(graph, sets, compute, price)
+    restricted = restricted_values(graph, restrictions.reduce_dtype)
+    units, unit_seconds = _build_units(graph, sets, compute, price, restricted)
     member_unit = {name: (index, position) for index, unit in enumerate(units) for position, name in enumerate(unit.members)}
     unit_class = _tie_units(graph, units)
     classes = tuple(sorted(set(unit_class)))
@@ -421,8 +437,8 @@ def build_problem(
         row = compute_s[unit_class[index]]
         for s, value in enumerate(seconds):
             row[s] += value
-    linear, edges = _edges(graph, units, member_unit, unit_class, price, bucketing)
-    _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing)
+    linear, edges = _edges(graph, units, member_unit, unit_class, price, bucketing, restricted)
+    _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing, restricted)
     lives = liveness(graph)
     memory, constants = _memory(graph, units, member_unit, unit_class, lives, cluster.mesh, lives.peaks)
     missing_rules = dict(missing or {})

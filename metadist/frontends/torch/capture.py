@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
-from ...ir import Graph, Role
+from ...ir import Graph, PrecisionPolicy, Role
 from .errors import CaptureError
 from .masked_assignment import MaskedAssignmentAsWhere
 from .moe import static_experts, uncovered_routing_hint
@@ -48,6 +48,9 @@ from .optim import (
     HYPERPARAMETER_DTYPE, OptimizerSpec, functional_update, hyperparameter_values, initial_state, optimizer_spec,
     optimizer_structure,
 )
+from .precision import PolicyTrace, policy_of
+from .rng_restore import RngRestoreWatch, check_no_replayed_draws
+from .scaler import SCALER_STATE_KEYS, ScalerDiscovered, ScalerTrace, scaler_settings, scaler_state, write_scaler_state
 from .to_ir import InputSlot, fx_to_ir
 
 __all__ = ["TorchStep", "capture", "capture_step"]
@@ -85,6 +88,16 @@ class TorchStep:
     because the value looked contiguous) hold only if the real layouts follow the traced ones.
     ``native_group_norm_backward`` on CPU gives wrong results for a non-contiguous gradient."""
     stats: dict = field(default_factory=dict)
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    """The mixed precision policy the step was captured under."""
+    scaler: Any = None
+    """The ``torch.amp.GradScaler`` the step uses (its scale and growth tracker are inputs and state outputs)."""
+    scaler_settings: tuple = ()
+    """The scaler's growth factor, backoff factor and growth interval at capture (constants of the graph)."""
+    watched_grad_elements: int = 0
+    """How many float16 gradient elements the ``metric`` output counts among (float16 without loss scaling)."""
+    last_metrics: dict = field(default_factory=dict)
+    """The metric outputs of the last :meth:`run`, by source."""
 
     def gather_inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
         """The real tensors for the graph's inputs, in graph order.
@@ -121,6 +134,8 @@ class TorchStep:
                 tensor = batch_leaves[slot.index]
             elif slot.kind == "hyper":
                 tensor = hyperparameter_tensor(hyper, slot)
+            elif slot.kind == "scaler":
+                tensor = scaler_state(self.scaler, slot.state_key)
             else:
                 tensor = self.constants[slot.key]
             if tensor.device.type == "meta":
@@ -153,10 +168,14 @@ class TorchStep:
                     slot, tensor = by_input[graph_output.replaces]
                     if slot.kind == "state":
                         optimizer.state[params[slot.key]][slot.state_key] = value
+                    elif slot.kind == "scaler":
+                        write_scaler_state(self.scaler, slot.state_key, value)
                     else:
                         tensor.copy_(value)
                 elif graph_output.role is Role.GRAD:
                     params[graph_output.source.removeprefix("grad:")].grad = value
+                elif graph_output.role is Role.METRIC:
+                    self.last_metrics[graph_output.source] = value
                 else:
                     user_leaves.append(value)
         return pytree.tree_unflatten(user_leaves, self.output_tree)
@@ -179,6 +198,7 @@ def capture_step(
     name: str = "step",
     keep_grads: bool = False,
     expert_capacity_factor: float | None = None,
+    precision: PrecisionPolicy | str | None = None,
 ) -> TorchStep:
     """Capture ``train_step(model, optimizer, batch)``.
 
@@ -186,8 +206,21 @@ def capture_step(
     it) to the outputs with role ``grad``, for checking runs against each other.
     ``expert_capacity_factor`` bounds the slots of each ``transformers`` experts layer (see
     :mod:`.moe`; None: dropless, the library's result); ``graph.routing`` states what was captured.
-    Nothing of the user's model, optimizer or batch is changed.
+    ``precision``: a mixed precision policy (``"bf16"``, ``"fp16"``, a :class:`PrecisionPolicy`; see
+    :mod:`.precision`). A ``torch.amp.GradScaler`` the step uses is captured (:mod:`.scaler`).
+    Nothing of the user's model, optimizer, scaler or batch is changed.
     """
+    policy = policy_of(precision)
+    scaler = None
+    try:
+        return _capture(train_step, model, optimizer, batch, name, keep_grads, policy, scaler, expert_capacity_factor)
+    except ScalerDiscovered as found:  # the step scales its loss: capture again with the scaler's state as inputs
+        scaler = found.scaler
+    return _capture(train_step, model, optimizer, batch, name, keep_grads, policy, scaler, expert_capacity_factor)
+
+
+def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: PrecisionPolicy, scaler,
+             expert_capacity_factor: float | None) -> TorchStep:
     started = time.perf_counter()
     _check_arguments(train_step, model, optimizer, batch)
     spec = optimizer_spec(optimizer) if optimizer is not None else None
@@ -222,6 +255,8 @@ def capture_step(
         state = initial_state(spec, param.detach(), group_of[id(param)], dict(optimizer.state.get(param, {})))
         for key, tensor in state.items():
             add(InputSlot(f"{pname}:{key}", Role.OPTIM_STATE, "state", pname, state_key=key), tensor)
+    for key in SCALER_STATE_KEYS if scaler is not None else ():
+        add(InputSlot(f"scaler:{key}", Role.BUFFER, "scaler", f"scaler.{key}", state_key=key), scaler_state(scaler, key))
     for index, (path, leaf) in enumerate(zip(batch_paths, batch_leaves)):
         add(InputSlot(f"batch{path}", Role.BATCH, "batch", path, index=index), leaf)
     for group_index, values in enumerate(hyperparameter_values(spec, optimizer) if optimizer is not None else []):
@@ -230,14 +265,16 @@ def capture_step(
                              state_key=key, index=group_index)
             add(slot, torch.tensor(value, dtype=HYPERPARAMETER_DTYPE))
 
-    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads)
+    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads, policy, scaler)
     decompositions = {
         aten.native_batch_norm.default: _native_batch_norm_as_legit,
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
     }
     modules = _ModuleTracker(model)
     experts = static_experts(model, capacity_factor=expert_capacity_factor)  # MoE layers with static shapes (.moe)
-    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, _host_random_unused(), experts as routing:
+    rng_watch = RngRestoreWatch()
+    with _user_errors(modules), _quiet_fake_tensor_log(), fake_mode, modules, _host_random_unused(), experts as routing, \
+            rng_watch.active():
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     inputs_pass2 = [fake.detach() for fake in fakes]
     with _user_errors(), fake_mode, torch.no_grad():
@@ -247,6 +284,7 @@ def capture_step(
 
     output_roles = traced.output_roles()
     graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
+    check_no_replayed_draws(rng_watch, graph)  # torch.utils.checkpoint replaying dropout: refused, never silently wrong
     if routing:
         graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
     elapsed = time.perf_counter() - started
@@ -261,15 +299,22 @@ def capture_step(
         optimizer_structure=optimizer_structure(optimizer),
         left_grads=tuple(traced.left_grads),
         contiguous_values=contiguous_values,
+        precision=policy,
+        scaler=scaler,
+        scaler_settings=scaler_settings(scaler) if scaler is not None else (),
+        watched_grad_elements=traced.watched_grad_elements,
     )
 
 
 class _Pass1:
     """The function pass 1 traces: the user's step over re-parametrised tensors."""
 
-    def __init__(self, train_step, model, optimizer, spec, slots, batch_tree, keep_grads) -> None:
+    def __init__(self, train_step, model, optimizer, spec, slots, batch_tree, keep_grads, policy, scaler) -> None:
         self.train_step, self.model, self.optimizer, self.spec = train_step, model, optimizer, spec
         self.slots, self.batch_tree, self.keep_grads = slots, batch_tree, keep_grads
+        self.policy, self.scaler = policy, scaler
+        self.metric_sources: list[str] = []
+        self.watched_grad_elements = 0
         self.output_tree = None
         self.user_roles: list[tuple[Role, str]] = []
         self.grad_names: list[str] = []
@@ -282,22 +327,28 @@ class _Pass1:
         states: dict[str, dict[str, torch.Tensor]] = {}
         hypers: dict[int, dict[str, torch.Tensor]] = {}
         batch_leaves: list[torch.Tensor] = []
+        scaler_tensors: dict[str, torch.Tensor] = {}
         for slot, tensor in zip(self.slots, tensors):
             if slot.kind == "state":
                 states.setdefault(slot.key, {})[slot.state_key] = tensor
+            elif slot.kind == "scaler":
+                scaler_tensors[slot.state_key] = tensor
             elif slot.kind == "hyper":
                 hypers.setdefault(slot.index, {})[slot.state_key] = tensor
             elif slot.kind == "batch":
                 batch_leaves.append(tensor)
             else:
                 by_kind[slot.kind][slot.key] = tensor
-        batch = pytree.tree_unflatten(batch_leaves, self.batch_tree)
+        policy = PolicyTrace(self.policy, watch_underflow=self.scaler is None)
+        batch = pytree.tree_unflatten(policy.batch(batch_leaves), self.batch_tree)
         traced_params = by_kind["param"]
         kept_grads: dict[str, torch.Tensor] = {}
-        mapping = {**traced_params, **by_kind["buffer"]}
+        guard: dict = {"found_inf": None}
+        scaler = ScalerTrace(self.scaler, scaler_tensors, lambda optimizer: self._with_grads(optimizer, traced_params), guard)
+        mapping = {**policy.compute_params(traced_params), **by_kind["buffer"]}
         with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
-            traced_params, states, hypers, kept_grads
-        ), MaskedAssignmentAsWhere():
+            traced_params, states, hypers, kept_grads, guard
+        ), MaskedAssignmentAsWhere(), scaler.patched():
             result = self.train_step(self.model, self.optimizer, batch)
         leaves, self.output_tree = pytree.tree_flatten(result)
         outputs = []
@@ -321,13 +372,25 @@ class _Pass1:
             if grad is not None:
                 self.grad_names.append(pname)
                 outputs.append(grad.detach())
+        metrics = policy.metrics()
+        self.metric_sources = [source for source, _ in metrics]
+        self.watched_grad_elements = policy.watched_numel
+        outputs.extend(tensor.detach() for _, tensor in metrics)
         return outputs
 
     def output_roles(self) -> list[tuple[Role, str]]:
-        return self.user_roles + [(Role.GRAD, f"grad:{name}") for name in self.grad_names]
+        return (self.user_roles + [(Role.GRAD, f"grad:{name}") for name in self.grad_names]
+                + [(Role.METRIC, source) for source in self.metric_sources])
+
+    def _with_grads(self, optimizer: Any, traced_params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The traced parameters of ``optimizer`` that hold a gradient (what a GradScaler unscales)."""
+        if optimizer is not self.optimizer:
+            raise CaptureError("the GradScaler steps an optimizer that is not the step's optimizer argument")
+        names = [self.name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+        return [traced_params[name] for name in names if traced_params[name].grad is not None]
 
     @contextlib.contextmanager
-    def _optimizer_hooks(self, traced_params, states, hypers, kept_grads):
+    def _optimizer_hooks(self, traced_params, states, hypers, kept_grads, guard):
         optimizer = self.optimizer
         if optimizer is None:
             yield
@@ -352,6 +415,10 @@ class _Pass1:
                         param_state = states.setdefault(pname, {})
                         new_param, new_state = functional_update(spec, traced, traced.grad, param_state,
                                                                  hypers[group_index], group)
+                        if guard["found_inf"] is not None:  # a GradScaler's step: skipped when a gradient is inf/NaN
+                            skip = guard["found_inf"] != 0
+                            new_param = torch.where(skip, traced, new_param)
+                            new_state = {key: torch.where(skip, param_state[key], value) for key, value in new_state.items()}
                         traced.copy_(new_param)
                         for key, value in new_state.items():
                             param_state[key].copy_(value)
@@ -522,7 +589,7 @@ def _user_errors(modules: "_ModuleTracker | None" = None):
     """Turn failures while tracing the user's step into CaptureErrors that point at the user's code and module."""
     try:
         yield
-    except CaptureError:
+    except (CaptureError, ScalerDiscovered):
         raise
     except _DATA_DEPENDENT as err:
         raise CaptureError(

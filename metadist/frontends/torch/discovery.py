@@ -234,7 +234,7 @@ def _draw(dtype: str, shape: tuple[int, ...], rng: np.random.Generator, index_ra
     if dtype.startswith(("int", "uint")):
         low = 0 if dtype.startswith("uint") else -4
         return rng.integers(low, 5, size=shape).astype(dtype)
-    values = rng.choice([-1.0, 1.0], size=shape) * rng.uniform(0.5, 1.5, size=shape)
+    values = np.asarray(rng.choice([-1.0, 1.0], size=shape) * rng.uniform(0.5, 1.5, size=shape))  # 0-d: an array too
     if dtype in _VIA_FLOAT32:
         return _to_numpy(torch.from_numpy(values).to(getattr(torch, dtype)))
     return values.astype(dtype)
