@@ -242,7 +242,39 @@ def _ratio_summary(rows: Sequence[Sequence[str]]) -> str:
 # ---------------------------------------------------------------- the page
 
 
-def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str]) -> str:
+def pipeline_section(study: dict) -> list[str]:
+    """The simulated pipeline study (``metadist.bench.pipeline_study``) as a section of the page."""
+    from .pipeline_study import PipelineRow, markdown
+
+    rows = [PipelineRow(**{**row, "mesh": tuple(row["mesh"])}) for row in study["rows"]]
+    lines = ["## Simulated pipeline study (cost model only, `%s` preset)" % study.get("cluster", "?"), "",
+             "Models that need pipeline parallelism, every layout priced by the same cost model; no GPU ran. *metadist* "
+             "rows are the candidates of MetaDist's search (pp degree, microbatch count, schedule, each stage sharded by "
+             "the ILP on its sub-mesh; pp 1 is the whole step on all devices); *megatron 3D* uses the same cuts with "
+             "each stage laid out as Megatron-LM does (TP inside a node, DP across the stage's nodes, 1F1B); *zero3* "
+             "is the whole step, no pipeline. The bubble is the idle share of device time in the forward/backward "
+             "part of the schedule.", "", "```bash", study.get("command", "python -m metadist.bench.pipeline_study"), "```", ""]
+    for model, devices in dict.fromkeys((row.model, row.devices) for row in rows):
+        cell = [row for row in rows if (row.model, row.devices) == (model, devices)]
+        chosen = [row for row in cell if row.method.endswith("(chosen)")]
+        priced = [row for row in cell if row.step_s is not None]
+        if chosen:
+            row = chosen[0]
+            rivals = [r for r in priced if not r.method.startswith("metadist") and r.fits]
+            versus = "" if not rivals else "; the fastest hand layout that fits: %s, step x%.3f of MetaDist's" % (
+                min(rivals, key=lambda r: r.step_s).method, min(r.step_s for r in rivals) / row.step_s)
+            lines.append(f"- {model} on {devices} GPUs: MetaDist chose pp={row.pp}, {row.microbatches} microbatches, "
+                         f"{row.schedule}, estimated step {row.step_s:.3f} s, search {row.search_s:.0f} s{versus}.")
+        elif priced:
+            lines.append(f"- {model} on {devices} GPUs: no layout fits 80 GB per GPU (the estimates are fp32 training "
+                         "without activation recomputation); the smallest footprint priced: "
+                         + ", ".join(f"{r.method} pp={r.pp} m={r.microbatches} {r.memory_bytes / 2**30:.0f} GiB, "
+                                     f"step {r.step_s:.3f} s" for r in sorted(priced, key=lambda r: r.memory_bytes)[:2]) + ".")
+    return lines + ["", markdown(rows), ""]
+
+
+def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str],
+         pipeline: dict | None = None) -> str:
     first = runs[0]
     machine, versions = first.machine, first.versions
     parts = [
@@ -325,6 +357,8 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   scale_tables(scale), ""]
         if missing:
             parts += [f"Not in this study (the run did not reach them): {', '.join(missing)}.", ""]
+    if pipeline:
+        parts += pipeline_section(pipeline)
     parts += ["## Plots", ""] + [f"![{title}]({path})" for title, path in images.items()] + [""]
     return "\n".join(parts)
 
@@ -520,7 +554,9 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
     images = plot_all(runs, scale, out.parent / "img", "img/")
     from ..cli.common import write_atomically
 
-    write_atomically(out, page(runs, scale, images, commands))
+    pipeline_path = scale_path.parent / "pipeline_study.json" if scale_path is not None else None
+    pipeline = json.loads(pipeline_path.read_text()) if pipeline_path is not None and pipeline_path.is_file() else None
+    write_atomically(out, page(runs, scale, images, commands, pipeline))
     return out
 
 

@@ -26,7 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Capture MODEL's training step, discover its rules, and solve for the fastest plan that fits memory.",
     )
     parser.add_argument("model", help="built-in workload name, or path/to/file.py[:function] returning a metadist.Workload")
-    parser.add_argument("--mesh", required=True, help="mesh shape: 8, 2x4, or dp=2,tp=4")
+    parser.add_argument("--mesh", help="mesh shape: 8, 2x4, or dp=2,tp=4; an axis named pp makes a pipeline (pp=2,dp=2)")
+    parser.add_argument("--devices", type=int, help="instead of --mesh: a device count; the planner chooses the pp degree, "
+                        "the microbatch count and the schedule with the sharding (nodes of the cluster preset's size)")
+    parser.add_argument("--pp", type=int, help="with --devices: fix the pp degree (1: no pipeline)")
+    parser.add_argument("--microbatches", type=int, help="with a pp axis: microbatches per step (default: the pp degree; "
+                        "with --devices: searched)")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="with --mesh pp=...: the schedule")
     parser.add_argument("--cluster", help="a preset (a100x8, h100x8, h100-ib, cpu-gloo) or a cluster JSON file; default h100-ib")
     parser.add_argument("--memory-gb", type=float, help="per-device memory budget in GB (1e9 bytes); default: the device's capacity")
     parser.add_argument("--solver", choices=("ilp", "beam"), default="ilp", help="the ILP (default) or beam search")
@@ -54,9 +60,23 @@ def run(args: argparse.Namespace) -> int:
     from ..api import capture_and_discover
     from ..progress import ConsoleListener, enter, listening
 
+    from ..ir.pipeline import PP_AXIS
+    from .main import UsageError
+
     if args.expert_capacity_factor is not None and not args.expert_capacity_factor > 0:
         raise UsageError(f"--expert-capacity-factor must be positive (leave it out for dropless experts), "
                          f"got {args.expert_capacity_factor}")
+    if (args.mesh is None) == (args.devices is None):
+        raise UsageError("give either --mesh (a fixed mesh) or --devices N (the planner chooses the pipeline and mesh)")
+    if args.devices is not None or PP_AXIS in Mesh.parse(args.mesh).axis_names:
+        for flag, value in (("--precision", args.precision), ("--reduce-dtype", args.reduce_dtype),
+                            ("--expert-capacity-factor", args.expert_capacity_factor)):
+            if value is not None:
+                raise UsageError(f"{flag} is not supported with pipeline planning yet (--devices or a pp axis): "
+                                 f"plan with a mesh without a pp axis, or leave {flag} out")
+        return run_pipeline(args)
+    if args.pp is not None or args.microbatches is not None:
+        raise UsageError("--pp and --microbatches go with --devices N or a mesh with a pp axis (--mesh pp=2,dp=2)")
     mesh = Mesh.parse(args.mesh)
     cluster = resolve_cluster(args.cluster, mesh)
     policy = _policy(args)
@@ -93,6 +113,80 @@ def _policy(args: argparse.Namespace):
     if args.precision is None and args.reduce_dtype is None:
         return None
     return PrecisionPolicy.named(args.precision or "fp32", args.reduce_dtype or "default")
+def run_pipeline(args: argparse.Namespace) -> int:
+    """``--devices N`` (search pp, microbatches, schedule) or ``--mesh pp=...`` (one pipeline plan)."""
+    from ..cost import resolve_cluster
+    from ..frontends.torch.microbatch import MicrobatchGraphs, first_microbatch
+    from ..ir import Mesh
+    from ..progress import ConsoleListener, enter, listening
+    from ..solver.pipeline import plan_pipeline, search_pipeline
+    from ..workloads import load_workload
+    from .main import UsageError
+
+    budget = None if args.memory_gb is None else args.memory_gb * 1e9
+    console = Console()
+    with listening(ConsoleListener(Console(stderr=True))):
+        enter("capture")
+        workload = load_workload(args.model)
+        if not hasattr(workload, "train_step"):
+            raise UsageError("pipeline planning takes PyTorch workloads; plan JAX workloads without a pp axis")
+        graphs = MicrobatchGraphs(workload, args.rules_db)
+        enter("solve")
+        if args.devices is not None:
+            if args.devices < 1:
+                raise UsageError(f"--devices must be at least 1, got {args.devices}")
+            from ..cost.cluster import PRESETS
+
+            preset = args.cluster or "h100-ib"
+            if preset not in PRESETS:
+                raise UsageError("--devices takes a cluster preset (its node size lays out the meshes); got " + repr(preset))
+            result = search_pipeline(graphs, args.devices, lambda mesh: resolve_cluster(preset, mesh),
+                                     global_batch=graphs.global_batch, per_node=PRESETS[preset].devices_per_node,
+                                     pp_degrees=None if args.pp is None else [args.pp],
+                                     microbatches=None if args.microbatches is None else [args.microbatches],
+                                     memory_budget_bytes=budget, time_limit_s=args.time_limit)
+            chosen = None if result.chosen is None else result.chosen.plan
+        else:
+            mesh = Mesh.parse(args.mesh)
+            pp = mesh.shape[mesh.axis_index("pp")]
+            # default: pp microbatches, or the most that divide the batch below that (the pp degree is checked on the graph)
+            microbatches = args.microbatches or max(d for d in range(1, min(pp, graphs.global_batch) + 1)
+                                                    if graphs.global_batch % d == 0)
+            first_microbatch(workload.batch, microbatches)  # a clear error when the count does not divide the batch
+            graph, rules, divisor = graphs(microbatches, True)
+            chosen = plan_pipeline(graph, rules, resolve_cluster(args.cluster, mesh), microbatches=microbatches,
+                                   schedule=args.schedule, loss_divisor=divisor, memory_budget_bytes=budget,
+                                   time_limit_s=args.time_limit)
+            result = None
+    if result is not None:
+        console.print(result.explain(), markup=False, highlight=False)
+    else:
+        print_pipeline(console, chosen)
+    if args.json and chosen is not None:
+        write_atomically(args.json, chosen.to_json(indent=1))
+        console.print(f"plan JSON written to {args.json}")
+    return 0 if chosen is not None else 1
+
+
+def print_pipeline(console: Console, plan) -> None:
+    """A pipeline plan: the cuts, each stage's figures, the schedule's step time and bubble."""
+    e = plan.estimate
+    table = Table(title=f"pipeline of {plan.graph_name} on mesh {plan.mesh}: {plan.microbatches} microbatches, "
+                        f"{plan.schedule}, cuts after {', '.join(e['cut_values'])}")
+    for column in ("stage", "forward nodes", "forward ms/mb", "backward ms/mb", "update ms", "in flight", "peak memory",
+                   "sends up/mb", "status"):
+        table.add_column(column, justify="right")
+    for stage, figures in zip(plan.stages, e["stages"]):
+        table.add_row(str(stage.index), str(len(stage.forward)), f"{figures['forward_s'] * 1e3:.4g}",
+                      f"{figures['backward_s'] * 1e3:.4g}", f"{figures['update_s'] * 1e3:.4g}", str(figures["in_flight"]),
+                      human_bytes(figures["memory_bytes_peak"]), human_bytes(figures["send_up_bytes"]),
+                      str(stage.plan.solver.get("status", "")))
+    console.print(table)
+    console.print(f"estimated step {e['step_s'] * 1e3:.4g} ms (forward/backward {e['forward_backward_s'] * 1e3:.4g} ms, "
+                  f"update {e['update_s'] * 1e3:.4g} ms, transfers between stages {e['stage_transfers_s'] * 1e3:.4g} ms); "
+                  f"bubble {e['bubble_fraction']:.1%} (fill and drain alone {e['ideal_bubble_fraction']:.1%}); "
+                  f"peak {human_bytes(e['memory_bytes_peak'])} per device on stage {e['memory_peak_stage']}; "
+                  f"solved in {plan.solver['solve_s']:.3g} s", markup=False, highlight=False)
 
 
 def _sharding(sharding) -> str:

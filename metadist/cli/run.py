@@ -228,6 +228,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts and not args.checkpoint_dir:
         print("metadist run: note: --max-restarts without --checkpoint-dir restarts from the first step", file=sys.stderr)
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
+    if "pp" in mesh.axis_names:
+        raise UsageError(
+            f"the mesh {mesh} has a pp axis: pipelined execution is not supported yet (MetaDist plans pipelines but "
+            f"cannot run them). See the plan with `metadist plan {args.model} --mesh {args.mesh}`; run on a mesh "
+            "without a pp axis (e.g. rename it dp)"
+        )
     if mesh.size != args.nproc:
         raise UsageError(
             f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "

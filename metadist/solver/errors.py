@@ -29,4 +29,8 @@ class InfeasibleBudgetError(SolverError):
         )
 
 
+class PipelineError(SolverError):
+    """A step, a mesh or pipeline settings that cannot be made a pipeline; the message says what fits."""
+
+
 USER_ERRORS = (SolverError, ClusterError)

@@ -98,6 +98,10 @@ class TorchStep:
     """How many float16 gradient elements the ``metric`` output counts among (float16 without loss scaling)."""
     last_metrics: dict = field(default_factory=dict)
     """The metric outputs of the last :meth:`run`, by source."""
+    loss_divisor: str | None = None
+    """The value a mean-reduced loss is divided by when MetaDist can see it: the count (total weight) of the
+    targets a mean cross-entropy counts, which no gradient flows through. A pipeline weights each microbatch's
+    gradients by it, so that microbatches with different counts (masked-LM labels) add up to the whole batch's mean."""
 
     def gather_inputs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
         """The real tensors for the graph's inputs, in graph order.
@@ -199,6 +203,7 @@ def capture_step(
     keep_grads: bool = False,
     expert_capacity_factor: float | None = None,
     precision: PrecisionPolicy | str | None = None,
+    raw_grads: bool = False,
 ) -> TorchStep:
     """Capture ``train_step(model, optimizer, batch)``.
 
@@ -208,21 +213,26 @@ def capture_step(
     :mod:`.moe`; None: dropless, the library's result); ``graph.routing`` states what was captured.
     ``precision``: a mixed precision policy (``"bf16"``, ``"fp16"``, a :class:`PrecisionPolicy`; see
     :mod:`.precision`). A ``torch.amp.GradScaler`` the step uses is captured (:mod:`.scaler`).
+    ``raw_grads=True`` adds instead each gradient as autograd accumulated it at the end of the
+    backward pass (before clipping or the optimizer): a pipeline accumulates these over microbatches
+    and runs the rest of the step (the update) once.
     Nothing of the user's model, optimizer, scaler or batch is changed.
     """
     policy = policy_of(precision)
     scaler = None
     try:
-        return _capture(train_step, model, optimizer, batch, name, keep_grads, policy, scaler, expert_capacity_factor)
+        return _capture(train_step, model, optimizer, batch, name, keep_grads, policy, scaler, expert_capacity_factor, raw_grads)
     except ScalerDiscovered as found:  # the step scales its loss: capture again with the scaler's state as inputs
         scaler = found.scaler
-    return _capture(train_step, model, optimizer, batch, name, keep_grads, policy, scaler, expert_capacity_factor)
+    return _capture(train_step, model, optimizer, batch, name, keep_grads, policy, scaler, expert_capacity_factor, raw_grads)
 
 
 def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: PrecisionPolicy, scaler,
-             expert_capacity_factor: float | None) -> TorchStep:
+             expert_capacity_factor: float | None, raw_grads: bool) -> TorchStep:
     started = time.perf_counter()
     _check_arguments(train_step, model, optimizer, batch)
+    if keep_grads and raw_grads:
+        raise CaptureError("keep_grads and raw_grads both add gradient outputs; ask for one of them")
     spec = optimizer_spec(optimizer) if optimizer is not None else None
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -265,7 +275,7 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
                              state_key=key, index=group_index)
             add(slot, torch.tensor(value, dtype=HYPERPARAMETER_DTYPE))
 
-    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, keep_grads, policy, scaler)
+    traced = _Pass1(train_step, model, optimizer, spec, slots, batch_tree, "raw" if raw_grads else keep_grads, policy, scaler)
     decompositions = {
         aten.native_batch_norm.default: _native_batch_norm_as_legit,
         aten.nll_loss_forward.default: _nll_loss_mean_as_sum,
@@ -287,6 +297,8 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
     check_no_replayed_draws(rng_watch, graph)  # torch.utils.checkpoint replaying dropout: refused, never silently wrong
     if routing:
         graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
+    if raw_grads:
+        graph = _grads_without_copies(graph)
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
@@ -303,13 +315,34 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
         scaler=scaler,
         scaler_settings=scaler_settings(scaler) if scaler is not None else (),
         watched_grad_elements=traced.watched_grad_elements,
+        loss_divisor=_loss_divisor(graph),
     )
+
+
+def _loss_divisor(graph: Graph) -> str | None:
+    """The total weight a mean cross-entropy loss output is divided by (see :attr:`TorchStep.loss_divisor`), or None."""
+    losses = graph.outputs_by_role(Role.LOSS)
+    if len(losses) != 1:
+        return None
+    division = graph.producer(losses[0].name)
+    if division is None or division.op.target != "aten.div.Tensor" or len(division.input_names) != 2:
+        return None
+    divisor = division.input_names[1]
+    loss_node = graph.producer(divisor)
+    if loss_node is None or loss_node.op.target != "aten.nll_loss_forward.default":
+        return None
+    weighted = len(loss_node.args) > 2 and loss_node.args[2] is not None
+    if weighted or loss_node.outputs[1] is None or loss_node.outputs[1].name != divisor:
+        return None
+    total = loss_node.outputs[0]
+    return divisor if total is not None and division.input_names[0] == total.name else None
 
 
 class _Pass1:
     """The function pass 1 traces: the user's step over re-parametrised tensors."""
 
     def __init__(self, train_step, model, optimizer, spec, slots, batch_tree, keep_grads, policy, scaler) -> None:
+        """``keep_grads``: False, True (the gradients the optimizer saw) or ``"raw"`` (as autograd accumulated them)."""
         self.train_step, self.model, self.optimizer, self.spec = train_step, model, optimizer, spec
         self.slots, self.batch_tree, self.keep_grads = slots, batch_tree, keep_grads
         self.policy, self.scaler = policy, scaler
@@ -343,13 +376,16 @@ class _Pass1:
         batch = pytree.tree_unflatten(policy.batch(batch_leaves), self.batch_tree)
         traced_params = by_kind["param"]
         kept_grads: dict[str, torch.Tensor] = {}
+        raw_grads: dict[str, torch.Tensor] = {}
         guard: dict = {"found_inf": None}
         scaler = ScalerTrace(self.scaler, scaler_tensors, lambda optimizer: self._with_grads(optimizer, traced_params), guard)
         mapping = {**policy.compute_params(traced_params), **by_kind["buffer"]}
         with stateless._reparametrize_module(self.model, mapping, tie_weights=True), self._optimizer_hooks(
             traced_params, states, hypers, kept_grads, guard
-        ), MaskedAssignmentAsWhere(), scaler.patched():
+        ), MaskedAssignmentAsWhere(), scaler.patched(), _accumulated_grads(traced_params, raw_grads, self.keep_grads == "raw"):
             result = self.train_step(self.model, self.optimizer, batch)
+        if self.keep_grads == "raw":
+            kept_grads = raw_grads
         leaves, self.output_tree = pytree.tree_flatten(result)
         outputs = []
         self.user_roles = []
@@ -388,6 +424,7 @@ class _Pass1:
             raise CaptureError("the GradScaler steps an optimizer that is not the step's optimizer argument")
         names = [self.name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
         return [traced_params[name] for name in names if traced_params[name].grad is not None]
+
 
     @contextlib.contextmanager
     def _optimizer_hooks(self, traced_params, states, hypers, kept_grads, guard):
@@ -447,6 +484,48 @@ class _Pass1:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _accumulated_grads(traced_params: dict[str, torch.Tensor], found: dict[str, torch.Tensor], enabled: bool):
+    """Record into ``found`` each parameter's ``.grad`` right after autograd accumulates into it (the last time)."""
+    if not enabled:
+        yield
+        return
+
+    def hook(name: str):
+        def record(tensor: torch.Tensor) -> None:
+            found[name] = tensor.grad.clone()  # a copy: the step may change .grad in place later (clipping)
+        return record
+
+    handles = [tensor.register_post_accumulate_grad_hook(hook(name))
+               for name, tensor in traced_params.items() if tensor.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+
+def _grads_without_copies(graph: Graph) -> Graph:
+    """Each ``grad`` output that is a copy (``clone``) of a value names the value itself (equal in a functional graph),
+    and copies nothing else reads are dropped: the update then reads the very values marked as gradients."""
+    from ...ir import GraphOutput
+
+    replaced: dict[str, str] = {}
+    for output in graph.outputs:
+        node = graph.producer(output.name)
+        if output.role is Role.GRAD and node is not None and node.op.target == "aten.clone.default" and node.input_names:
+            replaced[output.name] = node.input_names[0]
+    if not replaced:
+        return graph
+    outputs = tuple(GraphOutput(replaced.get(o.name, o.name), o.role, o.replaces, o.source) for o in graph.outputs)
+    kept_outputs = {o.name for o in outputs}
+    dropped = {graph.producer(name).name for name in replaced
+               if not graph.users(name) and name not in kept_outputs}
+    nodes = tuple(node for node in graph.nodes if node.name not in dropped)
+    return Graph(inputs=graph.inputs, nodes=nodes, outputs=outputs, name=graph.name)
 
 
 _MEAN_REDUCTION = 1
