@@ -194,13 +194,14 @@ def reference_run(
     from ..frontends.torch.precision import policy_of
 
     policy = policy_of(precision)
-    run = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy)
+    run = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy,
+                         expert_capacity_factor=expert_capacity_factor)
     if policy.is_mixed:  # the twin: the same step without the policy's casts
         twin = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn,
-                              replace(policy, param_dtype=None))
+                              replace(policy, param_dtype=None), expert_capacity_factor=expert_capacity_factor)
     elif run.tolerance.dtype != "float32":  # written under torch.autocast (or in a narrow dtype): try without autocast
         twin = _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy,
-                              autocast=False)
+                              autocast=False, expert_capacity_factor=expert_capacity_factor)
         if twin.tolerance.dtype != "float32":
             return run  # the step computes in a narrow dtype by itself: the fixed tolerance of that dtype
     else:
@@ -214,7 +215,7 @@ def reference_run(
 
 
 def _single_device(train_step, model, make_optimizer, batch, steps, seed, init_seed, init_fn, policy,
-                   autocast: bool = True) -> ReferenceRun:
+                   autocast: bool = True, expert_capacity_factor: float | None = None) -> ReferenceRun:
     from ..frontends.torch.precision import autocast_off
 
     model = copy.deepcopy(model)
