@@ -120,7 +120,7 @@ def test_fit_link_recovers_alpha_and_beta():
     assert cluster_from_report(report, Mesh((4,))).link(0).bandwidth_bytes_per_s == pytest.approx(truth_bandwidth, rel=1e-3)
 
 
-def test_cost_and_solver_import_no_framework():
+def test_cost_solver_and_pipeline_planning_import_no_framework():
     code = (
         "import sys\n"
         "class Block:\n"
@@ -129,6 +129,7 @@ def test_cost_and_solver_import_no_framework():
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import metadist.cost, metadist.solver, metadist.cost.calibrate\n"
+        "import metadist.solver.pipeline, metadist.ir.pipeline, metadist.ir.stage_graphs\n"
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
