@@ -116,13 +116,14 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
     candidates = recompute_layers(graph)
     if not candidates:
         raise error
+    every = tuple(layer.layer for layer in candidates)
+    problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
     terms = recompute_terms(problem, candidates)
     solution = ShardingILP(problem, budget, recompute=terms).solve(options["time_limit_s"])
     if solution is None:
         smallest = ShardingILP(problem, None, minimize_memory=True, recompute=terms).solve(options["time_limit_s"])
         raise InfeasibleBudgetError(budget, None if smallest is None else smallest.objective_s,
                                     f" (even recomputing all {len(candidates)} repeated layers' forward)") from error
-    every = tuple(layer.layer for layer in candidates)
     for layers in dict.fromkeys((solution.recompute, every)):
         rewritten = apply_recompute(graph, layers)
         clone_rules, without = recomputed_rules(rewritten, rules)
@@ -137,6 +138,21 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
                   "ilp_objective_s": solution.objective_s}
         return replace(plan, recompute=tuple(layers), solver={**plan.solver, "recompute": chosen})
     raise error
+
+
+def _peaks_after_recompute(graph: Graph, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The memory peaks of ``graph`` with ``layers`` recomputing, as positions of ``graph`` (a clone at the node it runs before)."""
+    from ..cost import liveness
+    from .recompute import CLONE_SUFFIX, apply_recompute
+
+    rewritten = apply_recompute(graph, layers)
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    found = set()
+    for peak in liveness(rewritten).peaks:
+        while 0 <= peak < len(rewritten.nodes) and rewritten.nodes[peak].name.endswith(CLONE_SUFFIX):
+            peak += 1
+        found.add(peak if peak < 0 else position[rewritten.nodes[peak].name] if peak < len(rewritten.nodes) else len(graph.nodes))
+    return tuple(sorted(found))
 
 
 def recomputed_rules(graph: Graph, rules: Mapping[str, Rule]) -> tuple[dict[str, Rule], tuple[str, ...]]:

@@ -185,8 +185,9 @@ def recompute_terms(problem, candidates: tuple[RecomputeLayer, ...]) -> Recomput
     """Price recomputing each candidate layer on ``problem`` (its graph is the graph without recomputation).
 
     Freed bytes come from liveness: a value a clone makes again is freed at a peak where it lives in the
-    graph and no longer lives, at the same node, in the graph with every candidate recomputing (layers free
-    disjoint values, so one rewrite serves all). The seconds are the clones' compute; the reshards between
+    graph and neither it nor its clone lives, at the same node, in the graph with every candidate recomputing (layers free
+    disjoint values, so one rewrite serves all); a value a clone reads (a random draw, the layer's input) that lives
+    at a peak only because the clone reads it counts negatively. The seconds are the clones' compute; the reshards between
     clones are not priced here (the plan of the rewritten graph prices them, :func:`plan_graph`).
     """
     from ..cost import liveness, local_nbytes
@@ -222,18 +223,29 @@ def recompute_terms(problem, candidates: tuple[RecomputeLayer, ...]) -> Recomput
                 row[s] += cache[key]
         seconds_by_layer.append({c: tuple(row) for c, row in seconds.items()})
         values = [v.name for name in layer.cloned for v in graph.node(name).output_values]
+        cloned = set(values)
+        read = dict.fromkeys(name for node in layer.cloned for name in graph.node(node).input_names if name not in cloned)
         for k, peak in enumerate(problem.peaks):
             freed: dict[int, list[float]] = {}
             there = mapped(peak)
-            for value in values:
-                old, new = old_lives[value], new_lives[value]
-                if not old.holds_memory or not old.start <= peak <= old.end or new.start <= there <= new.end:
-                    continue
+
+            def add(value: str, sign: float) -> None:
+                spec = old_lives[value].spec
                 unit_index, member, output = _producer_of(graph, value, problem.member_unit)
                 unit = problem.units[unit_index]
                 row = freed.setdefault(problem.unit_class[unit_index], [0.0] * len(unit.strategies))
                 for s in range(len(unit.strategies)):
-                    row[s] += local_nbytes(old.spec, _output_sharding(unit, s, member, output), mesh)
+                    row[s] += sign * local_nbytes(spec, _output_sharding(unit, s, member, output), mesh)
+
+            for value in values:
+                old, new, clone = old_lives[value], new_lives[value], new_lives[value + CLONE_SUFFIX]
+                if (old.holds_memory and old.start <= peak <= old.end and not new.start <= there <= new.end
+                        and not clone.start <= there <= clone.end):
+                    add(value, 1.0)  # freed: neither it nor its clone lives there any more
+            for value in read:
+                old, new = old_lives[value], new_lives[value]
+                if new.holds_memory and new.start <= there <= new.end and not old.start <= peak <= old.end:
+                    add(value, -1.0)  # held longer: a clone reads it (a random draw, the layer's input)
             freed_by_peak[k].append({c: tuple(row) for c, row in freed.items()})
     return RecomputeTerms(tuple(layer.layer for layer in candidates), tuple(seconds_by_layer),
                           tuple(tuple(per_layer) for per_layer in freed_by_peak))
