@@ -21,8 +21,8 @@ from .results import BenchRun, MethodResult
 
 log = logging.getLogger(__name__)
 
-METADIST = ("metadist-ilp", "metadist-beam", "metadist-ilp-sync")
-METADIST_MIXED = ("metadist-ilp-bf16",)
+METADIST = ("metadist-ilp", "metadist-beam", "metadist-ilp-sync", "metadist-ilp-recompute")
+METADIST_MIXED = ("metadist-ilp-bf16", "metadist-ilp-bf16-recompute")
 """MetaDist rows under a precision policy: shown, never compared with the float32 baselines."""
 DISTRIBUTED_BASELINES = ("ddp", "zero2", "zero3", "tp", "tp-dp")
 

@@ -172,7 +172,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
-    checkpointer, start = _resume(config, workload.model, optimizer, reporter)
+    checkpointer, start = _resume(config, workload.model, optimizer, reporter, compiled.torch_step.scaler)
     if start and reference is not None:
         reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
         reference = None
@@ -186,7 +186,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
         if compiled.precision_warning and step == start:
             reporter.note(f"warning: {compiled.precision_warning}")
         if checkpointer is not None and ((step + 1) % checkpointer.every == 0 or step + 1 == config.steps):
-            checkpointer.save(step + 1, workload.model, optimizer)
+            checkpointer.save(step + 1, workload.model, optimizer, scaler=compiled.torch_step.scaler)
             reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
     enter("report", quiet=True)
     if not losses:
@@ -221,15 +221,17 @@ def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph,
     Path(config.summary_path).write_text(summary.to_json())
 
 
-def _resume(config: WorkerConfig, model, optimizer, reporter):
-    """The checkpointer of ``--checkpoint-dir`` and the step to start from (its newest complete checkpoint, or 0)."""
+def _resume(config: WorkerConfig, model, optimizer, reporter, scaler=None):
+    """The checkpointer of ``--checkpoint-dir`` and the step to start from (its newest complete checkpoint, or 0).
+
+    ``scaler``: the step's GradScaler (fp16), whose scale and growth tracker are restored too."""
     if config.checkpoint_dir is None:
         return None, 0
     from .checkpointer import Checkpointer
 
     every = config.checkpoint_every if config.checkpoint_every > 0 else max(config.steps, 1)
     checkpointer = Checkpointer(config.checkpoint_dir, every=every)
-    start = checkpointer.restore(model, optimizer)
+    start = checkpointer.restore(model, optimizer, scaler=scaler)
     if start:
         reporter.note(f"resumed from {checkpointer.path(start)} (step {start} of {config.steps})")
     if start > config.steps:
