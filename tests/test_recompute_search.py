@@ -149,3 +149,21 @@ def test_a_plan_that_recomputes_dropout_layers_matches_one_device(blocks):
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "recompute: layers" in result.stdout
     assert "check: PASS" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_recomputing_plan_file_runs_on_the_capture_rewritten_the_same_way(blocks, tmp_path):
+    path, graph, rules = blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    without, _ = _smallest(graph, rules, cluster)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without)
+    assert plan.recompute
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(path), "--nproc", "2", "--steps", "2",
+                             "--plan", str(plan_file), "--check", "--timeout-s", "120"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert f"recompute: layers {', '.join(map(str, plan.recompute))}" in result.stdout
+    assert "check: PASS" in result.stdout

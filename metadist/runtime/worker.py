@@ -151,11 +151,18 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
                               name=workload.name or "step", precision=policy,
                               expert_capacity_factor=config.expert_capacity_factor)
     compare_grads = config.check
-    if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
+    def planned_graph(graph):  # the graph a plan file was made for: the capture, rewritten for its recomputation
+        if not (isinstance(plan_source, Plan) and plan_source.recompute):
+            return graph
+        from ..solver.recompute import apply_recompute
+
+        return apply_recompute(graph, plan_source.recompute)
+
+    if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(planned_graph(torch_step.graph)):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
         without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step",
                                      precision=policy, expert_capacity_factor=config.expert_capacity_factor)
-        if plan_source.graph_fingerprint == graph_fingerprint(without_grads.graph):
+        if plan_source.graph_fingerprint == graph_fingerprint(planned_graph(without_grads.graph)):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
                           "parameters, buffers and optimizer state, not the gradients")
