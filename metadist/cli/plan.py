@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-gb", type=float, help="per-device memory budget in GB (1e9 bytes); default: the device's capacity")
     parser.add_argument("--solver", choices=("ilp", "beam"), default="ilp", help="the ILP (default) or beam search")
     parser.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds; the best plan so far is kept (default 60)")
-    parser.add_argument("--baselines", action="store_true", help="also estimate data parallel, ZeRO-2, ZeRO-3 and Megatron TP")
+    parser.add_argument("--baselines", action="store_true", help="also estimate data parallel, ZeRO-2, ZeRO-3, Megatron TP and ZeRO-3 "
+                                                                    "with every layer recomputing")
     parser.add_argument("--rules-db", help="rule database file (default: the user cache)")
     parser.add_argument("--expert-capacity-factor", type=float, default=None, metavar="F",
                         help="mixture-of-experts layers: ceil(F * k * S / E) slots per expert and group of S tokens "

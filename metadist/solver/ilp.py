@@ -278,6 +278,8 @@ class ShardingILP:
         The LP relaxation with the other strategies' variables fixed at 0; an integral optimum is
         the restricted problem's optimum, otherwise it is rounded and improved within the restriction.
         """
+        if self.r:
+            raise SolverError("restricted solves know strategies only: build the ILP without recomputation for them")
         started = time.perf_counter()
         fixed = np.array([variable for c, ok in allowed.items() for s, variable in enumerate(self.x.get(c, ())) if s not in ok],
                          dtype=np.int32)

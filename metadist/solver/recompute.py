@@ -86,7 +86,9 @@ def recompute_layers(graph: Graph) -> tuple[RecomputeLayer, ...]:
     """The layers of ``graph`` that can recompute (see the module docstring), in layer order.
 
     A step without a loss output, without repeated layers, or whose layers' backward reads nothing the
-    forward could recompute has none.
+    forward could recompute has none; nor is a layer whose forward ends with the loss offered (its backward starts
+    at once: nothing to free). Layers a ``torch.utils.checkpoint`` already recomputes are not offered again: their
+    backward reads only their inputs, which stay.
     """
     loss = _loss_position(graph)
     if loss < 0:
@@ -142,6 +144,8 @@ def _layer(graph: Graph, label: int, positions: list[int], owner: dict[str, int]
     saved_all = tuple(sorted(cloned_values & {v for v in cloned_values if any(position_of[r.name] > loss for r in graph.users(v))},
                              key=lambda v: position_of[graph.producer(v).name]))
     first = min(position_of[r.name] for v in saved_all for r in graph.users(v) if position_of[r.name] > loss)
+    if positions[-1] == loss:
+        return None  # the layer computes the loss: its backward starts at once, recomputing it would free nothing
     return RecomputeLayer(label, cloned, saved_all, graph.nodes[first].name, tuple(sorted(kept)))
 
 
