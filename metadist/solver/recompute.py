@@ -98,17 +98,19 @@ def recompute_layers(graph: Graph) -> tuple[RecomputeLayer, ...]:
         inside = [p for p in positions if p <= loss]
         if inside:
             forward.setdefault(label, []).extend(inside)
-    owner = {graph.nodes[p].name: label for label, positions in forward.items() for p in positions}
+    position_of = {node.name: index for index, node in enumerate(graph.nodes)}
     layers = []
     for label in sorted(forward):
-        found = _layer(graph, label, sorted(forward[label]), owner, loss)
+        found = _layer(graph, label, sorted(forward[label]), position_of, loss)
         if found is not None:
             layers.append(found)
     return tuple(layers)
 
 
-def _layer(graph: Graph, label: int, positions: list[int], owner: dict[str, int], loss: int) -> RecomputeLayer | None:
-    position_of = {node.name: index for index, node in enumerate(graph.nodes)}
+def _layer(graph: Graph, label: int, positions: list[int], position_of: dict[str, int], loss: int) -> RecomputeLayer | None:
+    """Layer ``label`` whose forward is the nodes at ``positions``, or None when recomputing it frees nothing."""
+    if positions[-1] == loss:
+        return None  # the layer computes the loss: its backward starts at once, recomputing it would free nothing
     names = [graph.nodes[p].name for p in positions]
     mine = set(names)
     graph_outputs = {out.name for out in graph.outputs}
@@ -140,13 +142,10 @@ def _layer(graph: Graph, label: int, positions: list[int], owner: dict[str, int]
                 continue
             stack.append(producer.name)
     cloned = tuple(name for name in names if name in needed)
-    cloned_values = {v.name for name in cloned for v in graph.node(name).output_values}
-    saved_all = tuple(sorted(cloned_values & {v for v in cloned_values if any(position_of[r.name] > loss for r in graph.users(v))},
-                             key=lambda v: position_of[graph.producer(v).name]))
-    first = min(position_of[r.name] for v in saved_all for r in graph.users(v) if position_of[r.name] > loss)
-    if positions[-1] == loss:
-        return None  # the layer computes the loss: its backward starts at once, recomputing it would free nothing
-    return RecomputeLayer(label, cloned, saved_all, graph.nodes[first].name, tuple(sorted(kept)))
+    read_later = tuple(v.name for name in cloned for v in graph.node(name).output_values  # the backward's reads to move
+                       if any(position_of[r.name] > loss for r in graph.users(v.name)))
+    first = min(position_of[r.name] for v in read_later for r in graph.users(v) if position_of[r.name] > loss)
+    return RecomputeLayer(label, cloned, read_later, graph.nodes[first].name, tuple(sorted(kept)))
 
 
 def _renamed(arg: Arg, names: dict[str, str]) -> Arg:
