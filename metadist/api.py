@@ -391,7 +391,9 @@ def plan(
 
     ``expert_capacity_factor``: see :class:`CompileOptions` (a plan is for the graph captured with it).
     ``precision``: a mixed precision policy (``"bf16"``, ``"fp16"``, a :class:`metadist.PrecisionPolicy`): the step is
-    captured under it and its gradients are reduced in the policy's reduce dtype."""
+    captured under it and its gradients are reduced in the policy's reduce dtype.
+    When no plan fits ``memory_gb`` the solver lets repeated layers recompute their forward (``Plan.recompute``);
+    ``metadist.compile`` and ``metadist run`` run such a plan on their capture rewritten the same way."""
     from .ir import PrecisionPolicy
     from .cost.cluster import resolve_cluster
     from .solver import plan_graph

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -27,17 +27,22 @@ from .baselines import MethodUnavailable, Prepared, RankContext
 
 log = logging.getLogger(__name__)
 
-METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam", "metadist-ilp-sync": "ilp", "metadist-ilp-bf16": "ilp"}
+METADIST_METHODS = {"metadist-ilp": "ilp", "metadist-beam": "beam", "metadist-ilp-sync": "ilp", "metadist-ilp-bf16": "ilp",
+                    "metadist-ilp-recompute": "ilp", "metadist-ilp-bf16-recompute": "ilp"}
 """MetaDist's rows: method -> solver. ``-sync`` runs the ILP's plan with overlap off (every collective waited
 for where it is issued), next to ``metadist-ilp`` (issued early, waited for late) in the same run. ``-bf16``
 captures and plans the step under the bf16 precision policy (float32 master weights and optimizer state, bf16
 computation, gradients reduced in float32; :mod:`metadist.ir.precision`): its loss differs from the float32
 single-device loss by bf16 rounding, not by reduction order only."""
 
-PRECISION_OF = {"metadist-ilp-bf16": "bf16"}
+PRECISION_OF = {"metadist-ilp-bf16": "bf16", "metadist-ilp-bf16-recompute": "bf16"}
 """Methods that run under a precision policy (the others run the step as written, in float32)."""
 
 SYNC_METHODS = frozenset({"metadist-ilp-sync"})
+
+RECOMPUTE_METHODS = frozenset({"metadist-ilp-recompute", "metadist-ilp-bf16-recompute"})
+"""Methods whose every repeated layer recomputes its forward before its backward (full activation checkpointing,
+:mod:`metadist.solver.recompute`), planned without a budget: recompute on, next to the same method with it off."""
 
 CLUSTER_PRESET_CPU = "cpu-gloo"
 """The cost model's description of this machine (processes on one CPU over gloo)."""
@@ -111,8 +116,12 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
                                   PRECISION_OF.get(method))
     del planning_model
     started = time.perf_counter()
-    plan = api["plan_graph"](planned.torch_step.graph, planned.rules, planned.cluster, memory_budget_bytes=float("inf"),
+    rules, layers = planned.rules, ()
+    if method in RECOMPUTE_METHODS:
+        planned, rules, layers = _recomputing(planned)
+    plan = api["plan_graph"](planned.torch_step.graph, rules, planned.cluster, memory_budget_bytes=float("inf"),
                              solver=METADIST_METHODS[method], reduce_dtype=planned.torch_step.precision.reduce_dtype)
+    plan = replace(plan, recompute=layers)
     solve_s = time.perf_counter() - started
     started = time.perf_counter()
     device_mesh = init_device_mesh(ctx.device.type, tuple(ctx.mesh_shape))
@@ -134,6 +143,24 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     prepared = Prepared(method, step=step, holders=(state, compiled, device_mesh), mesh_shape=tuple(ctx.mesh_shape),
                         build=build, note=expert_placement_note(planned.torch_step.graph, plan).lstrip("; "))
     return prepared, compile_s, _estimate_summary(plan.estimate)
+
+
+def _recomputing(planned: Planned) -> tuple[Planned, Any, tuple[int, ...]]:
+    """``planned`` with every repeated layer recomputing, the rules of the clones, and the layers."""
+    from types import SimpleNamespace
+
+    from ..runtime.build import with_recompute
+    from ..solver.planner import recomputed_rules
+    from ..solver.recompute import recompute_layers
+
+    layers = tuple(layer.layer for layer in recompute_layers(planned.torch_step.graph))
+    if not layers:
+        raise MethodUnavailable("the model has no repeated layer that can recompute")
+    torch_step = with_recompute(planned.torch_step, layers)
+    rules, without = recomputed_rules(torch_step.graph, planned.rules.rules)
+    missing = dict(planned.rules.missing)
+    missing.update({name: missing.get(name.removesuffix(".rc"), "no rule given") for name in without})
+    return replace(planned, torch_step=torch_step), SimpleNamespace(rules=rules, missing=missing), layers
 
 
 def expert_placement_note(graph: Any, plan: Any) -> str:

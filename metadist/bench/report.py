@@ -21,8 +21,8 @@ from .results import BenchRun, MethodResult
 
 log = logging.getLogger(__name__)
 
-METADIST = ("metadist-ilp", "metadist-beam", "metadist-ilp-sync")
-METADIST_MIXED = ("metadist-ilp-bf16",)
+METADIST = ("metadist-ilp", "metadist-beam", "metadist-ilp-sync", "metadist-ilp-recompute")
+METADIST_MIXED = ("metadist-ilp-bf16", "metadist-ilp-bf16-recompute")
 """MetaDist rows under a precision policy: shown, never compared with the float32 baselines."""
 DISTRIBUTED_BASELINES = ("ddp", "zero2", "zero3", "tp", "tp-dp")
 
@@ -274,7 +274,7 @@ def pipeline_section(study: dict) -> list[str]:
 
 
 def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str],
-         pipeline: dict | None = None) -> str:
+         pipeline: dict | None = None, recompute: dict | None = None) -> str:
     first = runs[0]
     machine, versions = first.machine, first.versions
     parts = [
@@ -295,6 +295,7 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
         "```bash",
         *commands,
         *(run.command for run in runs),
+        *([recompute["command"]] if recompute and "command" in recompute else []),
         "```",
         "",
         _method_notes(first),
@@ -359,6 +360,16 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
             parts += [f"Not in this study (the run did not reach them): {', '.join(missing)}.", ""]
     if pipeline:
         parts += pipeline_section(pipeline)
+    if recompute:
+        from .recompute_demo import markdown as recompute_markdown
+
+        parts += [f"## Recomputation inside the search (cost model only, `{recompute.get('cluster', '?')}` preset)", "",
+                  "A budget no plan meets without activation recomputation: the ILP chooses, per repeated layer, to "
+                  "keep or recompute (priced in forward compute and in the memory of every peak the layer's saved "
+                  "activations span) together with the shardings (`metadist.solver.recompute`). Every plan is priced by "
+                  "the same cost model; *zero3+recompute* is ZeRO-3 with every layer recomputing.", "",
+                  "```bash", recompute.get("command", "python -m metadist.bench.recompute_demo"), "```", "",
+                  *recompute_markdown(recompute), ""]
     parts += ["## Plots", ""] + [f"![{title}]({path})" for title, path in images.items()] + [""]
     return "\n".join(parts)
 
@@ -412,6 +423,10 @@ def _method_notes(run: BenchRun) -> str:
         "*metadist-ilp* it shows what bfloat16 changes in step time and memory on this machine. Its loss differs from "
         "the float32 loss by bfloat16 rounding (column *rel. diff*), and it takes no part in the comparisons with the "
         "float32 baselines.",
+        "- *metadist-ilp-recompute* and *metadist-ilp-bf16-recompute* run the same steps with every repeated layer "
+        "recomputing its forward before its backward (full activation checkpointing, `metadist.solver.recompute`: the "
+        "layer's forward nodes cloned before its backward, its random draws kept), planned by the same ILP: next to "
+        "the rows without it they show what recomputation changes in step time and peak memory on this machine.",
         "",
     ])
 
@@ -556,7 +571,9 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
 
     pipeline_path = scale_path.parent / "pipeline_study.json" if scale_path is not None else None
     pipeline = json.loads(pipeline_path.read_text()) if pipeline_path is not None and pipeline_path.is_file() else None
-    write_atomically(out, page(runs, scale, images, commands, pipeline))
+    recompute_path = scale_path.parent / "recompute_demo.json" if scale_path is not None else None
+    recompute = json.loads(recompute_path.read_text()) if recompute_path is not None and recompute_path.is_file() else None
+    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute))
     return out
 
 

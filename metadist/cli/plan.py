@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-gb", type=float, help="per-device memory budget in GB (1e9 bytes); default: the device's capacity")
     parser.add_argument("--solver", choices=("ilp", "beam"), default="ilp", help="the ILP (default) or beam search")
     parser.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds; the best plan so far is kept (default 60)")
-    parser.add_argument("--baselines", action="store_true", help="also estimate data parallel, ZeRO-2, ZeRO-3 and Megatron TP")
+    parser.add_argument("--baselines", action="store_true", help="also estimate data parallel, ZeRO-2, ZeRO-3, Megatron TP and ZeRO-3 "
+                                                                    "with every layer recomputing")
     parser.add_argument("--rules-db", help="rule database file (default: the user cache)")
     parser.add_argument("--expert-capacity-factor", type=float, default=None, metavar="F",
                         help="mixture-of-experts layers: ceil(F * k * S / E) slots per expert and group of S tokens "
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cost import resolve_cluster
     from ..ir import Mesh
     from ..solver import baseline_plan, explain, plan_graph
+    from ..solver.recompute import recompute_layers
 
     from ..api import capture_and_discover
     from ..progress import ConsoleListener, enter, listening
@@ -94,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
             enter("baselines")
             plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit, reduce_dtype=reduce_dtype)
                           for kind in ("dp", "zero2", "zero3", "megatron")})
+            if recompute_layers(graph):  # full activation checkpointing, as ZeRO-3 users switch it on
+                plans["zero3+recompute"] = baseline_plan(graph, rules, cluster, "zero3", args.time_limit,
+                                                         reduce_dtype=reduce_dtype, recompute=True)
     console = Console()
     print_plan(console, graph, plan)
     if args.baselines:
@@ -223,6 +228,8 @@ def print_estimate(console: Console, plan) -> None:
         table.add_row(f"  communication on {axis}", f"{seconds * 1e3:.3f} ms ({human_bytes(e['comm_bytes_by_axis'][axis])} sent)")
     table.add_row("collectives", ", ".join(f"{kind} x{count}" for kind, count in e["collectives_by_kind"].items()) or "none")
     table.add_row("peak memory per device", f"{human_bytes(e['memory_bytes_peak'])} at {e['memory_peak_node']}")
+    recompute = getattr(plan, "recompute", ())
+    table.add_row("recomputed layers", ", ".join(map(str, recompute)) if recompute else "none")
     for role, nbytes in e["memory_bytes_by_role"].items():
         table.add_row(f"  {role}", human_bytes(nbytes))
     budget = e.get("memory_budget_bytes")
@@ -235,6 +242,10 @@ def print_solver(console: Console, plan) -> None:
     keys = ("solver", "graph_nodes", "units_after_merging", "classes_after_tying", "classes_with_choices", "variables",
             "constraints", "problem_build_s", "build_s", "solve_s", "status", "method", "mip_gap", "excluded_indivisible_strategies")
     console.print("solver: " + ", ".join(f"{key}={s[key]}" for key in keys if key in s), markup=False)
+    if s.get("recompute"):
+        r = s["recompute"]
+        console.print(f"recompute: no plan fits the budget without it; the ILP chose layers {r['ilp_layers']} of "
+                      f"{len(r['candidates'])}, the plan recomputes layers {r['layers']}", markup=False)
     unruled = s.get("nodes_without_rule", {})
     if unruled:
         seconds = sum(item["compute_s"] for item in unruled.values())
@@ -244,10 +255,10 @@ def print_solver(console: Console, plan) -> None:
 
 def print_comparison(console: Console, plans) -> None:
     table = Table(title="the plan next to the baselines (same cost model)")
-    for column in ("plan", "step", "compute", "communication", "peak memory"):
+    for column in ("plan", "step", "compute", "communication", "peak memory", "recomputed layers"):
         table.add_column(column, justify="right")
     for name, plan in plans.items():
         e = plan.estimate
         table.add_row(name, f"{e['step_s'] * 1e3:.3f} ms", f"{e['compute_s'] * 1e3:.3f} ms", f"{e['comm_s'] * 1e3:.3f} ms",
-                      human_bytes(e["memory_bytes_peak"]))
+                      human_bytes(e["memory_bytes_peak"]), str(len(plan.recompute)) if plan.recompute else "none")
     console.print(table)

@@ -186,6 +186,9 @@ class Plan:
     """Named cost terms with units in their names (``compute_s``, ``comm_s_by_axis``, ``memory_bytes_by_role``...)."""
     solver: Mapping[str, Any] = field(default_factory=dict)
     """Solver statistics (variables, constraints, build/solve seconds, gap)."""
+    recompute: tuple[int, ...] = ()
+    """The repeated layers that recompute their forward before their backward. The plan is made for the graph
+    rewritten so (``metadist.solver.recompute.apply_recompute``), and a run rewrites its captured graph the same way."""
 
     def __hash__(self) -> int:
         return hash((self.graph_fingerprint, self.mesh))
@@ -218,6 +221,7 @@ class Plan:
             "output_shardings": [format_sharding(sharding) for sharding in self.output_shardings],
             "estimate": dict(self.estimate),
             "solver": dict(self.solver),
+            "recompute": list(self.recompute),
         }
 
     @staticmethod
@@ -236,6 +240,7 @@ class Plan:
             output_shardings=tuple(parse_sharding(text) for text in data["output_shardings"]),
             estimate=data.get("estimate", {}),
             solver=data.get("solver", {}),
+            recompute=tuple(int(layer) for layer in data.get("recompute", ())),
         )
 
     def to_json(self, indent: int | None = None) -> str:

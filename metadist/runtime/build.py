@@ -69,6 +69,23 @@ def read_plan_source(source: str | Plan) -> str | Plan:
     return Plan.from_json(path.read_text()) if path.is_file() else source
 
 
+def with_recompute(torch_step: TorchStep, layers: tuple[int, ...]) -> TorchStep:
+    """``torch_step`` with ``layers`` recomputing their forward before their backward (a plan's ``recompute``).
+
+    The clones of values the trace saw contiguous are contiguous too (they are the same computation).
+    """
+    if not layers:
+        return torch_step
+    from dataclasses import replace
+
+    from ..solver.recompute import CLONE_SUFFIX, apply_recompute
+
+    graph = apply_recompute(torch_step.graph, layers)
+    clones = {value.name for node in graph.nodes if node.name.endswith(CLONE_SUFFIX) for value in node.output_values}
+    contiguous = torch_step.contiguous_values | {name for name in clones if name[: -len(CLONE_SUFFIX)] in torch_step.contiguous_values}
+    return replace(torch_step, graph=graph, contiguous_values=frozenset(contiguous))
+
+
 def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh, options: StepOptions) -> tuple[CompiledStep, str]:
     """This rank's compiled step for ``torch_step`` on ``device_mesh``, and the hash of the plan all ranks agreed on."""
     from .. import __version__
@@ -76,6 +93,7 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
     plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster,
                      bucket_cap_bytes=options.bucket_cap_bytes, pinned=options.pinned)
     plan_hash = check_same_everywhere(plan_decisions(plan), "plan")
+    torch_step = with_recompute(torch_step, plan.recompute)
     with phase("lowering"):
         compiled = CompiledStep(
             torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,

@@ -9,6 +9,9 @@ A :class:`Checkpointer` owns a folder of checkpoints, one per saved step
   write, see :mod:`.checkpoint`);
 * ``progress``: the step, and the RNG states of the CPU and the accelerator
   (every rank holds rank 0's: a compiled step keeps them alike);
+* ``scaler``: a ``torch.amp.GradScaler``'s scale and growth tracker (``scaler=``; a captured step keeps
+  them in the user's scaler, :mod:`metadist.frontends.torch.scaler`), so a resumed fp16 run scales its loss
+  where the saved one left off;
 * any *stateful* objects the caller names (an LR scheduler, a data loader
   or sampler, anything with ``state_dict()``/``load_state_dict()``), and plain
   Python values (``extra``: a data position, a config), pickled.
@@ -125,19 +128,23 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------
     def maybe_save(self, step: int, model: torch.nn.Module, optimizer: Any, *, extra: Mapping[str, Any] | None = None,
-                   **stateful: Any) -> bool:
+                   scaler: Any = None, **stateful: Any) -> bool:
         """Save if ``step`` is a multiple of ``every``; returns whether it saved."""
         if step % self.every:
             return False
-        self.save(step, model, optimizer, extra=extra, **stateful)
+        self.save(step, model, optimizer, extra=extra, scaler=scaler, **stateful)
         return True
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any, *, extra: Mapping[str, Any] | None = None,
-             **stateful: Any) -> None:
-        """Save the state after ``step`` steps (collective: every rank calls it with the same step)."""
+             scaler: Any = None, **stateful: Any) -> None:
+        """Save the state after ``step`` steps (collective: every rank calls it with the same step).
+
+        ``scaler``: the step's ``torch.amp.GradScaler``, whose scale and growth tracker are saved with the state."""
         self.wait()  # one save in flight at a time: a newer one must not finish before an older one
         state = training_state_dict(model, optimizer)
         state["progress"] = {"step": step, "rng": rng_state()}
+        if scaler is not None:
+            state["scaler"] = _scaler_tensors(scaler, clone=True)
         state["extra"] = io.BytesIO(pickle.dumps(dict(extra or {})))
         for name, value in stateful.items():
             if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
@@ -188,13 +195,14 @@ class Checkpointer:
 
     # -- restoring ---------------------------------------------------------------
     def restore(self, model: torch.nn.Module, optimizer: Any, *, step: int | None = None,
-                extra: dict[str, Any] | None = None, **stateful: Any) -> int:
+                extra: dict[str, Any] | None = None, scaler: Any = None, **stateful: Any) -> int:
         """Load the newest complete checkpoint (or the one of ``step``) into the model, optimizer and ``stateful``
         objects, in place; returns its step (0 when the folder holds no checkpoint: start from scratch).
 
         ``extra``: a dict that receives the saved plain values. The checkpoint may come from another mesh or
         world size. A checkpoint of another model, or a damaged one, is an error naming its folder; nothing
-        of the running state is changed then.
+        of the running state is changed then. ``scaler``: a ``torch.amp.GradScaler`` that takes the saved scale
+        and growth tracker (the checkpoint must hold them: saved with ``scaler=``).
         """
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -208,6 +216,8 @@ class Checkpointer:
         staged = {key: _staged(value) for key, value in training_state_dict(model, optimizer).items()}
         staged["progress"] = {"step": 0, "rng": rng_state()}
         staged["extra"] = io.BytesIO()
+        if scaler is not None:
+            staged["scaler"] = _scaler_tensors(scaler, clone=True)
         for name, value in stateful.items():
             staged[f"stateful.{name}"] = value.state_dict()
         try:
@@ -223,6 +233,11 @@ class Checkpointer:
             set_optimizer_state_dict(model, optimizer, staged["optim"])
         for name, value in stateful.items():
             value.load_state_dict(staged[f"stateful.{name}"])
+        if scaler is not None:
+            from ..frontends.torch.scaler import write_scaler_state
+
+            for key, tensor in staged["scaler"].items():
+                write_scaler_state(scaler, key, tensor.to(_scaler_tensors(scaler)[key].device))
         restore_rng(staged["progress"]["rng"])
         if extra is not None:
             staged["extra"].seek(0)
@@ -230,6 +245,16 @@ class Checkpointer:
         saved_step = int(staged["progress"]["step"])
         log.info("resumed from %s (step %d)", path, saved_step)
         return saved_step
+
+
+def _scaler_tensors(scaler: Any, clone: bool = False) -> dict[str, torch.Tensor]:
+    """A GradScaler's scale and growth tracker (as torch would create them before first use), on the CPU when ``clone``."""
+    from ..frontends.torch.scaler import SCALER_STATE_KEYS, scaler_state
+
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise RunInputError(f"scaler={type(scaler).__name__}: pass the step's torch.amp.GradScaler")
+    tensors = {key: scaler_state(scaler, key) for key in SCALER_STATE_KEYS}
+    return {key: tensor.detach().cpu().clone() for key, tensor in tensors.items()} if clone else tensors
 
 
 def _is_coordinator() -> bool:

@@ -54,6 +54,10 @@ def load_plan(
         if not path.is_file():
             raise RuntimeSetupError(f"--plan {source!r} is neither one of {', '.join(PLAN_SOURCES)} nor a plan file")
         plan = Plan.from_json(path.read_text())
+    if plan.recompute:
+        from ..solver.recompute import apply_recompute
+
+        graph = apply_recompute(graph, plan.recompute)
     plan.check_for(graph, metadist_version)
     log.info("plan from %s: %d node strategies on mesh %s", source, len(plan.node_strategies), plan.mesh)
     if plan.mesh.shape != mesh.shape:
@@ -122,5 +126,6 @@ def plan_decisions(plan: Plan) -> str:
     between ranks without changing what runs.
     """
     data = plan.to_dict()
-    keep = ("graph_fingerprint", "metadist_version", "mesh", "node_strategies", "input_shardings", "output_shardings")
+    keep = ("graph_fingerprint", "metadist_version", "mesh", "node_strategies", "input_shardings", "output_shardings",
+            "recompute")
     return json.dumps({key: data[key] for key in keep}, sort_keys=True)

@@ -44,6 +44,9 @@ class Reporter:
         self.console.print("input shardings: " + ", ".join(f"{text} x{count}" for text, count in shardings.most_common()))
         calls = sum(count for count, _ in program.predicted_comm().values())
         buckets = sum(1 for item in program.instructions if isinstance(item, CoalescedReshard))
+        if plan.recompute:
+            self.console.print(f"recompute: layers {', '.join(map(str, plan.recompute))} run their forward again before "
+                               "their backward (chosen by the solver to fit the memory budget)")
         self.console.print(f"rank program: {len(program.instructions)} instructions, {len(program.reshards())} reshards, "
                            f"{calls} collective calls per step ({buckets} coalesced)")
         self.unruled(plan)

@@ -151,11 +151,18 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
                               name=workload.name or "step", precision=policy,
                               expert_capacity_factor=config.expert_capacity_factor)
     compare_grads = config.check
-    if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(torch_step.graph):
+    def planned_graph(graph):  # the graph a plan file was made for: the capture, rewritten for its recomputation
+        if not (isinstance(plan_source, Plan) and plan_source.recompute):
+            return graph
+        from ..solver.recompute import apply_recompute
+
+        return apply_recompute(graph, plan_source.recompute)
+
+    if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(planned_graph(torch_step.graph)):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
         without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step",
                                      precision=policy, expert_capacity_factor=config.expert_capacity_factor)
-        if plan_source.graph_fingerprint == graph_fingerprint(without_grads.graph):
+        if plan_source.graph_fingerprint == graph_fingerprint(planned_graph(without_grads.graph)):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
                           "parameters, buffers and optimizer state, not the gradients")
@@ -172,7 +179,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
-    checkpointer, start = _resume(config, workload.model, optimizer, reporter)
+    checkpointer, start = _resume(config, workload.model, optimizer, reporter, compiled.torch_step.scaler)
     if start and reference is not None:
         reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
         reference = None
@@ -186,7 +193,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
         if compiled.precision_warning and step == start:
             reporter.note(f"warning: {compiled.precision_warning}")
         if checkpointer is not None and ((step + 1) % checkpointer.every == 0 or step + 1 == config.steps):
-            checkpointer.save(step + 1, workload.model, optimizer)
+            checkpointer.save(step + 1, workload.model, optimizer, scaler=compiled.torch_step.scaler)
             reporter.note(f"checkpoint {checkpointer.path(step + 1)}")
     enter("report", quiet=True)
     if not losses:
@@ -221,15 +228,17 @@ def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph,
     Path(config.summary_path).write_text(summary.to_json())
 
 
-def _resume(config: WorkerConfig, model, optimizer, reporter):
-    """The checkpointer of ``--checkpoint-dir`` and the step to start from (its newest complete checkpoint, or 0)."""
+def _resume(config: WorkerConfig, model, optimizer, reporter, scaler=None):
+    """The checkpointer of ``--checkpoint-dir`` and the step to start from (its newest complete checkpoint, or 0).
+
+    ``scaler``: the step's GradScaler (fp16), whose scale and growth tracker are restored too."""
     if config.checkpoint_dir is None:
         return None, 0
     from .checkpointer import Checkpointer
 
     every = config.checkpoint_every if config.checkpoint_every > 0 else max(config.steps, 1)
     checkpointer = Checkpointer(config.checkpoint_dir, every=every)
-    start = checkpointer.restore(model, optimizer)
+    start = checkpointer.restore(model, optimizer, scaler=scaler)
     if start:
         reporter.note(f"resumed from {checkpointer.path(start)} (step {start} of {config.steps})")
     if start > config.steps:

@@ -88,15 +88,32 @@ def baseline_choices(problem: Any, kind: str) -> dict[int, frozenset[int]] | Non
 
 
 def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0,
-                  uneven_shards: bool = True, reduce_dtype: str | None = None) -> Plan:
+                  uneven_shards: bool = True, reduce_dtype: str | None = None, recompute: bool = False) -> Plan:
     """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget.
 
     Graph inputs start evenly split, as the baselines' systems split them; ``uneven_shards`` lets the
     solver split the nodes in between unevenly (False: even splits only, see :func:`plan_graph`).
+    ``recompute``: every repeated layer recomputes its forward (full activation checkpointing, as FSDP or
+    DeepSpeed users switch it on); the plan records them (``Plan.recompute``) and is named ``<kind>+recompute``.
     """
     if kind not in BASELINES:
         raise SolverError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
+    layers: tuple[int, ...] = ()
+    if recompute:
+        from types import SimpleNamespace
+
+        from .planner import recomputed_rules, split_rules
+        from .recompute import CLONE_SUFFIX, apply_recompute, recompute_layers
+
+        layers = tuple(layer.layer for layer in recompute_layers(graph))
+        if not layers:
+            raise SolverError(f"graph {graph.name!r} has no repeated layer that can recompute: no {kind}+recompute baseline")
+        graph = apply_recompute(graph, layers)
+        rule_map, missing = split_rules(rules)
+        rule_map, without = recomputed_rules(graph, rule_map)
+        rules = SimpleNamespace(rules=rule_map, missing={**missing, **{name: missing.get(name[: -len(CLONE_SUFFIX)], "no rule given")
+                                                                       for name in without}})
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=time_limit_s,
                       restrictions=_restrictions(graph, cluster.mesh, kind), uneven_shards=uneven_shards,
                       reduce_dtype=reduce_dtype)
-    return replace(plan, solver={**plan.solver, "kind": kind})
+    return replace(plan, solver={**plan.solver, "kind": f"{kind}+recompute" if recompute else kind}, recompute=layers)

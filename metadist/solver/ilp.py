@@ -56,6 +56,7 @@ import numpy as np
 from .errors import SolverError
 from .local_search import improve, memory_at_peaks, objective_s, round_relaxation
 from .problem import Problem
+from .recompute import RecomputeTerms
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Solution:
     choice: dict[int, int]
     objective_s: float
     stats: dict
+    recompute: tuple[int, ...] = ()
+    """The layers the plan recomputes (their indices, :mod:`.recompute`); empty when none was offered or taken."""
 
 
 def quiet_highs() -> highspy.Highs:
@@ -99,9 +102,11 @@ def quiet_highs() -> highspy.Highs:
 class ShardingILP:
     """Builds and solves the ILP written out in the module docstring."""
 
-    def __init__(self, problem: Problem, memory_budget_bytes: float | None, minimize_memory: bool = False) -> None:
+    def __init__(self, problem: Problem, memory_budget_bytes: float | None, minimize_memory: bool = False,
+                 recompute: RecomputeTerms | None = None) -> None:
         started = time.perf_counter()
         self.problem, self.budget, self.minimize_memory = problem, memory_budget_bytes, minimize_memory
+        self.recompute = recompute
         self.cost: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
@@ -110,12 +115,16 @@ class ShardingILP:
         self.y: list[list[list[int]]] = []
         self.strategy_variables()
         self.edge_variables()
+        self.r: list[int] = []
+        self.w: list[dict[int, list[int]]] = []
+        self.recompute_variables()
         self.memory_variable = self._new_variable(1.0, False) if minimize_memory else None
         if self.memory_variable is not None:
             self.upper[self.memory_variable] = highspy.kHighsInf
         self.one_strategy_per_class()
         self.edge_producer_marginals()
         self.edge_consumer_marginals()
+        self.recompute_links()
         self.memory_budget()
         self.build_s = time.perf_counter() - started
         self._relaxation: highspy.Highs | None = None
@@ -143,7 +152,32 @@ class ShardingILP:
         for edge in self.problem.edges:
             self.y.append([[self._new_variable(cost, False, weight) for cost in row] for row in edge.comm_s])
 
+    def recompute_variables(self) -> None:
+        """``r[i]`` in {0, 1}: layer ``i`` recomputes; ``w[i, c, s]`` in [0, 1]: it does and class ``c`` takes ``s``.
+
+        The recomputed forward's seconds and freed bytes depend on the sharding: they sit on ``w``
+        (``r[i]`` itself for classes with one strategy), which :meth:`recompute_links` ties to ``r`` and ``x``.
+        """
+        if self.recompute is None:
+            return
+        weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
+        for seconds in self.recompute.seconds:
+            constant = sum(row[0] for c, row in seconds.items() if c not in self.x)
+            self.r.append(self._new_variable(constant, True, weight))
+            classes = {c for c in seconds if c in self.x}
+            classes |= {c for per_peak in self.recompute.freed for c in per_peak[len(self.w)] if c in self.x}
+            self.w.append({c: [self._new_variable(seconds.get(c, (0.0,) * len(self.x[c]))[s], False, weight)
+                               for s in range(len(self.x[c]))] for c in sorted(classes)})
+
     # -- constraints ------------------------------------------------------------
+    def recompute_links(self) -> None:
+        """``sum_s w[i, c, s] = r[i]`` and ``w[i, c, s] <= x[c, s]``: ``w`` is ``r[i] * x[c, s]`` at every integral point."""
+        for r, w in zip(self.r, self.w):
+            for c, variables in w.items():
+                self.rows.append((variables + [r], [1.0] * len(variables) + [-1.0], 0.0, 0.0))
+                for variable, x in zip(variables, self.x[c]):
+                    self.rows.append(([variable, x], [1.0, -1.0], -highspy.kHighsInf, 0.0))
+
     def one_strategy_per_class(self) -> None:
         for variables in self.x.values():
             self.rows.append((variables, [1.0] * len(variables), 1.0, 1.0))
@@ -164,11 +198,18 @@ class ShardingILP:
     def memory_budget(self) -> None:
         if self.budget is None and self.memory_variable is None:
             return
-        for coefficients, constant in zip(self.problem.memory_bytes, self.problem.memory_constant_bytes):
+        for peak, (coefficients, constant) in enumerate(zip(self.problem.memory_bytes, self.problem.memory_constant_bytes)):
             index, value = [], []
             for c, row in coefficients.items():
                 index += self.x[c]
                 value += [MEMORY_SCALE * size for size in row]
+            for freed, r, w in zip(self.recompute.freed[peak] if self.recompute else (), self.r, self.w):
+                index.append(r)
+                value.append(-MEMORY_SCALE * sum(row[0] for c, row in freed.items() if c not in self.x))
+                for c, row in freed.items():
+                    if c in self.x:
+                        index += w[c]
+                        value += [-MEMORY_SCALE * size for size in row]
             if self.memory_variable is not None:
                 self.rows.append((index + [self.memory_variable], value + [-1.0], -highspy.kHighsInf, -MEMORY_SCALE * constant))
             else:
@@ -237,6 +278,8 @@ class ShardingILP:
         The LP relaxation with the other strategies' variables fixed at 0; an integral optimum is
         the restricted problem's optimum, otherwise it is rounded and improved within the restriction.
         """
+        if self.r:
+            raise SolverError("restricted solves know strategies only: build the ILP without recomputation for them")
         started = time.perf_counter()
         fixed = np.array([variable for c, ok in allowed.items() for s, variable in enumerate(self.x.get(c, ())) if s not in ok],
                          dtype=np.int32)
@@ -286,7 +329,8 @@ class ShardingILP:
             return None
         values = np.array(highs.getSolution().col_value)
         start = None
-        if lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values) and not self.minimize_memory:
+        if (lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values) and not self.minimize_memory
+                and not self.r):  # rounding knows strategies only: a relaxation with recomputation goes to branch and bound
             bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
             rounded = self.rounded(values, bound_s, started)
             if rounded is not None and rounded.stats["mip_gap"] <= ACCEPTED_ROUNDING_GAP:
@@ -312,9 +356,11 @@ class ShardingILP:
         stats = self._stats(time.perf_counter() - started, highs.modelStatusToString(status), gap, int(max(info.mip_node_count, 0)), method)
         logger.info("ILP: %s", stats)
         objective = float(info.objective_function_value)
+        recompute = tuple(layer for layer, r in zip(self.recompute.layers if self.recompute else (), self.r) if values[r] > 0.5)
         if self.minimize_memory:
-            return Solution(choice=choice, objective_s=objective / MEMORY_SCALE, stats=stats)
-        return Solution(choice=choice, objective_s=objective / OBJECTIVE_SCALE + self.constant_s(), stats=stats)
+            return Solution(choice=choice, objective_s=objective / MEMORY_SCALE, stats=stats, recompute=recompute)
+        return Solution(choice=choice, objective_s=objective / OBJECTIVE_SCALE + self.constant_s(), stats=stats,
+                        recompute=recompute)
 
     def _stats(self, solve_s: float, status: str, gap: float | None, nodes: int, method: str) -> dict:
         return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 from ..cost import DEFAULT_BUCKET_CAP_BYTES, Cluster, bucketing_for
@@ -47,6 +48,7 @@ def plan_graph(
     bucket_cap_bytes: float | None = None,
     uneven_shards: bool = True,
     reduce_dtype: str | None = None,
+    recompute: bool = True,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest strategies that fit ``memory_budget_bytes`` per device.
 
@@ -57,6 +59,9 @@ def plan_graph(
     ``uneven_shards``: False plans even splits only, for a runtime that cannot hold ``torch.chunk`` pieces
     (JAX: ``jit``'s in and out shardings must divide every dim).
     ``reduce_dtype``: a precision policy's gradient reduce dtype (:mod:`.precision`); None leaves it free.
+    ``recompute``: when no plan fits the budget, offer the ILP each repeated layer's recomputation
+    (:func:`_plan_with_recompute`); the plan then records the layers (``Plan.recompute``) and is made for the
+    rewritten graph (:func:`~metadist.solver.recompute.apply_recompute`).
     """
     if solver not in SOLVERS:
         raise SolverError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
@@ -69,15 +74,23 @@ def plan_graph(
     budget = cluster.device.memory_capacity_bytes if memory_budget_bytes is None else memory_budget_bytes
     budget = None if budget == float("inf") else float(budget)
     problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes))
-    for _ in range(MAX_PEAK_ROUNDS):
-        solution = _solve(problem, budget, solver, time_limit_s, beam_width)
-        assignment = assignment_from(problem, solution.choice)
-        figures = estimate(graph, assignment, cluster, problem.liveness, problem.bucketing)
-        position = figures["memory_peak_position"]
-        if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
-            break
-        logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
-        problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
+    try:
+        for round_index in range(MAX_PEAK_ROUNDS):
+            if round_index:
+                logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
+                problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
+            solution = _solve(problem, budget, solver, time_limit_s, beam_width)
+            assignment = assignment_from(problem, solution.choice)
+            figures = estimate(graph, assignment, cluster, problem.liveness, problem.bucketing)
+            position = figures["memory_peak_position"]
+            if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
+                break
+    except InfeasibleBudgetError as error:
+        if not recompute or budget is None or solver != "ilp":
+            raise
+        return _plan_with_recompute(graph, rule_map, missing, cluster, problem, budget, error,
+                                    dict(time_limit_s=time_limit_s, restrictions=restrictions,
+                                         bucket_cap_bytes=bucket_cap_bytes, uneven_shards=uneven_shards))
     if budget is not None and figures["memory_bytes_peak"] > budget * (1 + 1e-9):
         logger.warning(
             "after %d rounds the plan's memory peak (%.0f bytes at %s) still exceeds the budget (%.0f bytes); "
@@ -85,6 +98,76 @@ def plan_graph(
             MAX_PEAK_ROUNDS, figures["memory_bytes_peak"], figures["memory_peak_node"], budget,
         )
     return _make_plan(graph, problem, solution, assignment, figures, budget)
+
+
+def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mapping[str, str], cluster: Cluster,
+                         problem: Problem, budget: float, error: InfeasibleBudgetError, options: dict) -> Plan:
+    """No plan fits without recomputation: let the ILP choose the layers to recompute, then plan the rewritten graph.
+
+    The ILP (:class:`ShardingILP` with :class:`~.recompute.RecomputeTerms`) gets a binary per repeated layer: recomputing
+    adds the layer's forward compute under the chosen sharding and frees its saved activations at the peaks they span.
+    Its layers are then written into the graph (:func:`~.recompute.apply_recompute`) and the rewritten graph is planned
+    as any other, so every reshard of the recomputed forward and the true memory peaks are priced; should the
+    ILP's layers still not fit there, every layer recomputes. No layer that can recompute, or no fit even so, is the
+    original error, with the smallest footprint recomputation reaches.
+    """
+    from .recompute import CLONE_SUFFIX, apply_recompute, recompute_layers, recompute_terms
+
+    candidates = recompute_layers(graph)
+    if not candidates:
+        raise error
+    every = tuple(layer.layer for layer in candidates)
+    problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
+    terms = recompute_terms(problem, candidates)
+    solution = ShardingILP(problem, budget, recompute=terms).solve(options["time_limit_s"])
+    if solution is None:
+        smallest = ShardingILP(problem, None, minimize_memory=True, recompute=terms).solve(options["time_limit_s"])
+        raise InfeasibleBudgetError(budget, None if smallest is None else smallest.objective_s,
+                                    f" (even recomputing all {len(candidates)} repeated layers' forward)") from error
+    for layers in dict.fromkeys((solution.recompute, every)):
+        rewritten = apply_recompute(graph, layers)
+        clone_rules, without = recomputed_rules(rewritten, rules)
+        clone_missing = {**missing, **{name: missing.get(name[: -len(CLONE_SUFFIX)], "no rule given") for name in without}}
+        try:
+            plan = plan_graph(rewritten, SimpleNamespace(rules=clone_rules, missing=clone_missing), cluster, budget, "ilp",
+                              recompute=False, **options)
+        except InfeasibleBudgetError:
+            logger.info("recomputing layers %s does not fit on the rewritten graph; trying every layer", list(layers))
+            continue
+        chosen = {"layers": list(layers), "candidates": list(every), "ilp_layers": list(solution.recompute),
+                  "ilp_objective_s": solution.objective_s}
+        return replace(plan, recompute=tuple(layers), solver={**plan.solver, "recompute": chosen})
+    raise error
+
+
+def _peaks_after_recompute(graph: Graph, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The memory peaks of ``graph`` with ``layers`` recomputing, as positions of ``graph`` (a clone at the node it runs before)."""
+    from ..cost import liveness
+    from .recompute import CLONE_SUFFIX, apply_recompute
+
+    rewritten = apply_recompute(graph, layers)
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    found = set()
+    for peak in liveness(rewritten).peaks:
+        while 0 <= peak < len(rewritten.nodes) and rewritten.nodes[peak].name.endswith(CLONE_SUFFIX):
+            peak += 1
+        found.add(peak if peak < 0 else position[rewritten.nodes[peak].name] if peak < len(rewritten.nodes) else len(graph.nodes))
+    return tuple(sorted(found))
+
+
+def recomputed_rules(graph: Graph, rules: Mapping[str, Rule]) -> tuple[dict[str, Rule], tuple[str, ...]]:
+    """``rules`` with each clone of a recomputed node (:mod:`.recompute`) given its original's rule, and the clones without one."""
+    from .recompute import CLONE_SUFFIX
+
+    found, without = dict(rules), []
+    for node in graph.nodes:
+        if node.name.endswith(CLONE_SUFFIX) and node.name not in found:
+            original = node.name[: -len(CLONE_SUFFIX)]
+            if original in rules:
+                found[node.name] = rules[original]
+            else:
+                without.append(node.name)
+    return found, tuple(without)
 
 
 def check_device_dtypes(graph: Graph, cluster: Cluster) -> None:

@@ -161,7 +161,8 @@ def plan_jax(name: str | JaxWorkload, mesh: Mesh | str | None = None, *, devices
     started = time.perf_counter()
     # even splits only: jit's in and out shardings must divide every dim (JAX refuses torch.chunk-style pieces)
     if baseline is None:
-        plan = plan_graph(step.graph, rules, cluster_spec, memory_budget_bytes=memory_budget_bytes, uneven_shards=False)
+        plan = plan_graph(step.graph, rules, cluster_spec, memory_budget_bytes=memory_budget_bytes, uneven_shards=False,
+                          recompute=False)  # the JAX runtime does not rewrite its graph for recomputation
     else:
         plan = baseline_plan(step.graph, rules, cluster_spec, baseline, uneven_shards=False)
     solve_seconds = time.perf_counter() - started

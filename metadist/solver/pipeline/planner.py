@@ -283,7 +283,7 @@ def _plan_stage(graph: Graph, stage: Stage, rules, cluster: Cluster, budget: flo
                 plan = stage_planner(graph, rules, cluster, stage_budget)
             else:
                 plan = plan_graph(graph, rules, cluster, memory_budget_bytes=stage_budget, solver=solver,
-                                  time_limit_s=time_limit_s)
+                                  time_limit_s=time_limit_s, recompute=False)  # stages are not rewritten for recomputation
         except InfeasibleBudgetError as error:
             if best is not None:  # a tighter budget for the activations in flight has no plan: keep the closest one
                 logger.info("stage %d: no plan within %.0f bytes; keeping the smallest found", stage.index, stage_budget)

@@ -240,7 +240,7 @@ def _lower_bounds(graph: Graph, divisor: str | None, cluster: Cluster, devices: 
 def _whole(graph_for, mesh: Mesh, cluster: Cluster, budget, time_limit_s) -> Candidate:
     graph, rules, _ = graph_for(1, False)
     try:
-        plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, time_limit_s=time_limit_s)
+        plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, time_limit_s=time_limit_s, recompute=False)
     except InfeasibleBudgetError as error:
         return Candidate(1, 1, "-", mesh, memory_bytes=error.minimum_bytes, error="no plan fits the budget")
     except SolverError as error:  # e.g. the smallest footprint not found within the time limit

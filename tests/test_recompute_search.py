@@ -1,0 +1,181 @@
+"""Activation recomputation inside the search: the ILP's keep/recompute decision per layer, the rewrite, the run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from metadist.cost import cluster_for, liveness
+from metadist.ir import Mesh
+from metadist.ir.plan import Plan
+from metadist.solver import InfeasibleBudgetError, baseline_plan, plan_graph
+from metadist.solver.ilp import ShardingILP
+from metadist.solver.planner import _peaks_after_recompute, assignment_from, smallest_memory_bytes
+from metadist.solver.problem import build_problem, with_peaks
+from metadist.solver.recompute import CLONE_SUFFIX, apply_recompute, recompute_layers, recompute_terms
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+BLOCKS = '''
+import torch, metadist
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, dropout):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.down(self.drop(torch.nn.functional.gelu(self.up(x))))
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, width=16, depth=3, dropout=0.1):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(width, dropout) for _ in range(depth)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def workload():
+    torch.manual_seed(0)
+    return metadist.Workload(model=Blocks(), batch={"x": torch.randn(64, 16)},
+                             loss_fn=lambda model, batch: model(batch["x"]),
+                             optimizer=lambda params: torch.optim.SGD(params, lr=1e-2))
+'''
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory):
+    from metadist.api import capture_and_discover
+
+    folder = tmp_path_factory.mktemp("blocks")
+    path = folder / "blocks.py"
+    path.write_text(BLOCKS)
+    graph, rules = capture_and_discover(str(path), str(folder / "rules.db"))
+    return path, graph, rules
+
+
+def _smallest(graph, rules, cluster) -> tuple[float, float]:
+    """The smallest footprint without recomputation, and with every layer free to recompute."""
+    problem = build_problem(graph, rules.rules, cluster)
+    without = smallest_memory_bytes(problem)
+    every = tuple(layer.layer for layer in recompute_layers(graph))
+    problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
+    terms = recompute_terms(problem, recompute_layers(graph))
+    return without, ShardingILP(problem, None, minimize_memory=True, recompute=terms).solve().objective_s
+
+
+def test_layers_recompute_their_saved_values_and_keep_random_draws_and_boundaries(blocks):
+    _, graph, _ = blocks
+    layers = recompute_layers(graph)
+    assert [layer.layer for layer in layers] == [0, 1]  # layer 2 computes the loss: its backward follows at once
+    for layer in layers:
+        assert not any(graph.node(name).op.is_random for name in layer.cloned)
+    rewritten = apply_recompute(graph, [0, 1])
+    clones = [node for node in rewritten.nodes if node.name.endswith(CLONE_SUFFIX)]
+    assert len(clones) == len(layers[0].cloned) + len(layers[1].cloned)
+    random_outputs = {v.name for node in graph.nodes if node.op.is_random for v in node.output_values}
+    assert random_outputs & {name for clone in clones for name in clone.input_names}  # clones replay the kept draws
+    assert rewritten.outputs == graph.outputs and rewritten.inputs == graph.inputs
+    assert max(liveness(rewritten).replicated_bytes_at_peaks) < max(liveness(graph).replicated_bytes_at_peaks)
+    with pytest.raises(ValueError, match="cannot recompute"):
+        apply_recompute(graph, [7])
+
+
+def test_a_tight_budget_flips_layers_to_recompute_and_a_loose_one_keeps_all(blocks):
+    _, graph, rules = blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    without, with_recompute = _smallest(graph, rules, cluster)
+    assert with_recompute < 0.9 * without
+    loose = plan_graph(graph, rules, cluster, memory_budget_bytes=2 * without)
+    assert loose.recompute == () and "recompute" not in loose.solver
+    some = plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without)
+    tight = plan_graph(graph, rules, cluster, memory_budget_bytes=1.01 * with_recompute)
+    assert 0 < len(some.recompute) <= len(tight.recompute)
+    for plan, budget in ((some, 0.99 * without), (tight, 1.01 * with_recompute)):
+        assert plan.estimate["memory_bytes_peak"] <= budget
+        assert plan.solver["recompute"]["layers"] == list(plan.recompute)
+        plan.check_for(apply_recompute(graph, plan.recompute), plan.metadist_version)
+        assert Plan.from_json(plan.to_json()).recompute == plan.recompute
+    assert tight.estimate["compute_s"] > loose.estimate["compute_s"]  # the recomputed forward is paid for
+    with pytest.raises(InfeasibleBudgetError, match="even recomputing all 2"):
+        plan_graph(graph, rules, cluster, memory_budget_bytes=0.9 * with_recompute)
+    with pytest.raises(InfeasibleBudgetError):
+        plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without, recompute=False)
+
+
+def test_the_recompute_ilp_prices_what_the_rewritten_graph_holds(blocks):
+    _, graph, rules = blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    problem = build_problem(graph, rules.rules, cluster)
+    every = tuple(layer.layer for layer in recompute_layers(graph))
+    problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
+    solution = ShardingILP(problem, None, minimize_memory=True, recompute=recompute_terms(problem, recompute_layers(graph))).solve()
+    assert solution.recompute
+    rewritten = apply_recompute(graph, solution.recompute)
+    assignment = assignment_from(problem, solution.choice)
+    from metadist.solver.estimate import Assignment, estimate
+
+    strategies = {node.name: assignment.node_strategies[node.name.removesuffix(CLONE_SUFFIX)] for node in rewritten.nodes}
+    figures = estimate(rewritten, Assignment(strategies, assignment.input_shardings), cluster, liveness(rewritten), problem.bucketing)
+    assert figures["memory_bytes_peak"] == pytest.approx(solution.objective_s, rel=1e-6)
+
+
+def test_zero3_with_full_recomputation_baseline(blocks):
+    _, graph, rules = blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    plain, full = (baseline_plan(graph, rules, cluster, "zero3", recompute=flag) for flag in (False, True))
+    assert full.recompute == (0, 1) and full.solver["kind"] == "zero3+recompute"
+    assert full.estimate["memory_bytes_peak"] < plain.estimate["memory_bytes_peak"]
+    assert full.estimate["compute_s"] > plain.estimate["compute_s"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_plan_that_recomputes_dropout_layers_matches_one_device(blocks):
+    path, graph, rules = blocks
+    without, with_recompute = _smallest(graph, rules, cluster_for("cpu-gloo", Mesh((2,))))
+    budget_gb = 1.01 * with_recompute / 1e9
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(path), "--nproc", "2", "--steps", "3",
+                             "--memory-gb", f"{budget_gb:.9f}", "--check", "--timeout-s", "120"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "recompute: layers" in result.stdout
+    assert "check: PASS" in result.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_recomputing_plan_file_runs_on_the_capture_rewritten_the_same_way(blocks, tmp_path):
+    path, graph, rules = blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    without, _ = _smallest(graph, rules, cluster)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without)
+    assert plan.recompute
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(path), "--nproc", "2", "--steps", "2",
+                             "--plan", str(plan_file), "--check", "--timeout-s", "120"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert f"recompute: layers {', '.join(map(str, plan.recompute))}" in result.stdout
+    assert "check: PASS" in result.stdout
+
+
+def test_layers_the_user_already_checkpoints_are_not_offered_again():
+    import torch
+
+    from metadist.frontends.torch import capture_step
+    from test_recompute import Checkpointed, step
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    graph = capture_step(step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 16)).graph
+    assert recompute_layers(graph) == ()
