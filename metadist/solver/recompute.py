@@ -25,7 +25,7 @@ from typing import Iterable
 
 from ..ir import Graph, Node, Role, Value, ValueRef
 from ..ir.graph import Arg
-from .shrink import templated_name
+from .shrink import layer_runs
 
 __all__ = ["CLONE_SUFFIX", "RecomputeLayer", "apply_recompute", "recompute_layers"]
 
@@ -55,33 +55,6 @@ def _loss_position(graph: Graph) -> int:
     return max(positions) if positions else -1
 
 
-def _layer_runs(graph: Graph) -> list[tuple[int, list[int]]]:
-    """Maximal runs of nodes of one layer: (layer, node positions), labelled as :mod:`.shrink` labels them, except that
-    a cast or view of one layer's state counts as that layer's state (a precision policy casts every parameter before
-    the forward: its readers are still the layer's)."""
-    from ..cost.bucketing import CAST_OPS
-
-    state_roles = {Role.PARAM, Role.OPTIM_STATE, Role.BUFFER}
-    layer_of = {gi.value.name: templated_name(gi.value.name)[1] for gi in graph.inputs if gi.role in state_roles}
-    runs: list[tuple[int, list[int]]] = []
-    label: int | None = None
-    for position, node in enumerate(graph.nodes):
-        read = {layer_of[name] for name in node.input_names if name in layer_of}
-        if read:
-            label = read.pop() if len(read) == 1 else None
-        distinct = set(node.input_names)
-        if (node.op.target in CAST_OPS or node.op.is_view) and len(distinct) == 1 and next(iter(distinct)) in layer_of:
-            for value in node.output_values:
-                layer_of[value.name] = layer_of[next(iter(distinct))]
-        if label is None:
-            continue
-        if runs and runs[-1][0] == label and runs[-1][1][-1] == position - 1:
-            runs[-1][1].append(position)
-        else:
-            runs.append((label, [position]))
-    return runs
-
-
 def recompute_layers(graph: Graph) -> tuple[RecomputeLayer, ...]:
     """The layers of ``graph`` that can recompute (see the module docstring), in layer order.
 
@@ -94,7 +67,7 @@ def recompute_layers(graph: Graph) -> tuple[RecomputeLayer, ...]:
     if loss < 0:
         return ()
     forward: dict[int, list[int]] = {}
-    for label, positions in _layer_runs(graph):
+    for label, positions in layer_runs(graph, follow_state_copies=True):
         inside = [p for p in positions if p <= loss]
         if inside:
             forward.setdefault(label, []).extend(inside)

@@ -45,20 +45,29 @@ def tie_inputs(graph: Graph) -> dict[str, str]:
     return representative
 
 
-def _runs(graph: Graph) -> list[tuple[int, list[int]]]:
+def layer_runs(graph: Graph, follow_state_copies: bool = False) -> list[tuple[int, list[int]]]:
     """Maximal runs of nodes with the same layer label: (label, node positions).
 
     A node reading state inputs of exactly one layer sets the label to that layer; one
     reading state of no layer (embeddings, final norm) clears it; other nodes keep it.
+    ``follow_state_copies``: a cast or view of one layer's state counts as that layer's state (a precision
+    policy casts every parameter before the forward: its readers are still the layer's).
     """
+    from ..cost.bucketing import CAST_OPS
+
     state_roles = {"param", "optim_state", "buffer"}
-    layer_of_input = {gi.value.name: templated_name(gi.value.name)[1] for gi in graph.inputs if gi.role.value in state_roles}
+    layer_of = {gi.value.name: templated_name(gi.value.name)[1] for gi in graph.inputs if gi.role.value in state_roles}
     runs: list[tuple[int, list[int]]] = []
     label: int | None = None
     for position, node in enumerate(graph.nodes):
-        layers = {layer_of_input[name] for name in node.input_names if name in layer_of_input}
+        layers = {layer_of[name] for name in node.input_names if name in layer_of}
         if layers:
             label = layers.pop() if len(layers) == 1 else None
+        distinct = set(node.input_names)
+        if (follow_state_copies and (node.op.target in CAST_OPS or node.op.is_view) and len(distinct) == 1
+                and next(iter(distinct)) in layer_of):
+            for value in node.output_values:
+                layer_of[value.name] = layer_of[next(iter(distinct))]
         if label is None:
             continue
         if runs and runs[-1][0] == label and runs[-1][1][-1] == position - 1:
@@ -100,7 +109,7 @@ def tie_nodes(graph: Graph, min_run_length: int = 2) -> dict[str, str]:
     templates = {gi.value.name: templated_name(gi.value.name)[0] for gi in graph.inputs}
     representative = {node.name: node.name for node in graph.nodes}
     leaders: list[tuple[list[tuple], list[str]]] = []
-    for _, positions in _runs(graph):
+    for _, positions in layer_runs(graph):
         if len(positions) < min_run_length:
             continue
         names = [graph.nodes[p].name for p in positions]
