@@ -246,8 +246,8 @@ class CompiledTrainStep:
         if "pp" in logical.axis_names:
             from .runtime.errors import RunInputError
 
-            raise RunInputError(f"mesh {logical} has a pp axis: pipelined execution is not supported yet (MetaDist plans "
-                                "pipelines, see metadist.solver.pipeline, but cannot run them); use a mesh without a pp axis")
+            raise RunInputError(f"mesh {logical} has a pp axis: metadist.compile does not run pipelines yet (`metadist run "
+                                "MODEL --mesh pp=...` does); use a mesh without a pp axis here")
         if self._device_mesh is None or tuple(self._device_mesh.shape) != logical.shape:
             self._device_mesh = setup_device_mesh(logical, read_torchrun_env(), timeout_s=self.options.timeout_s)
         return logical, self._device_mesh
