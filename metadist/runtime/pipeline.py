@@ -176,7 +176,9 @@ class PipelineStep:
 
     # -- lowering -------------------------------------------------------------------------------
     def _sharding_in(self, stage_index: int, value: str) -> tuple:
-        """The sharding stage ``stage_index``'s plan gives ``value``: a stage-graph input's, else its producer's."""
+        """The sharding stage ``stage_index``'s plan gives ``value``: a stage-graph input's, else its producer's
+        (``Partial`` kept for this stage's accumulated values, which are summed as they are and reduced once by the
+        update; made ``Replicate`` for any other)."""
         plan = self.stage_plans[stage_index]
         if value in plan.input_shardings:
             return tuple(plan.input_shardings[value])
@@ -184,8 +186,9 @@ class PipelineStep:
         if producer is None or producer.name not in plan.node_strategies:
             raise RunInputError(f"stage {stage_index}'s plan gives %{value} no sharding; the pipeline plan is inconsistent")
         position = [v.name if v is not None else None for v in producer.outputs].index(value)
-        sharding = plan.node_strategies[producer.name].outputs[position]
-        return _no_partial(tuple(sharding))
+        sharding = tuple(plan.node_strategies[producer.name].outputs[position])
+        linear = all(p.op in ("sum", "avg") for p in sharding if isinstance(p, Partial))
+        return sharding if linear and stage_index == self.index and value in self.stage.accumulated else _no_partial(sharding)
 
     def _output_sharding(self, value: str, role: Role) -> tuple:
         stage, plan = self.stage, self.plan
@@ -213,7 +216,8 @@ class PipelineStep:
             input_shardings={gi.value.name: self._sharding_in(self.index, gi.value.name) for gi in phase.inputs},
             output_shardings=tuple(outputs),
         )
-        program = lower(phase, phase_plan, self.sub_coords, bucket_cap_bytes=bucket_cap_bytes, overlap=overlap)
+        program = lower(phase, phase_plan, self.sub_coords, bucket_cap_bytes=bucket_cap_bytes, overlap=overlap,
+                        partial_inputs=frozenset(self.stage.accumulated))
         module = build_rank_module(program, self.comm, self.device, self.torch_step.contiguous_values)
         return _Phase(phase, phase_plan, module, program.inputs, tuple(o.name for o in phase.outputs))
 
@@ -234,13 +238,16 @@ class PipelineStep:
         """The whole tensor from this stage's pieces (collective over the sub-mesh)."""
         if all(isinstance(p, Replicate) for p in sharding):
             return local
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Partial as TorchPartial, Replicate as TorchReplicate
+        from torch.distributed.tensor import Shard as TorchShard
 
-        from .checkpoint import dtensor_placements
+        from ..ir import Shard
 
+        placements = tuple(TorchShard(p.dim) if isinstance(p, Shard) else TorchPartial(p.op) if isinstance(p, Partial)
+                           else TorchReplicate() for p in sharding)
         shape = tuple(shape)
         stride = tuple(int(torch.tensor(shape[i + 1:], dtype=torch.int64).prod()) for i in range(len(shape)))
-        return DTensor.from_local(local.contiguous(), self.sub_device_mesh, dtensor_placements(sharding),
+        return DTensor.from_local(local.contiguous(), self.sub_device_mesh, placements,
                                   shape=torch.Size(shape), stride=stride, run_check=False).full_tensor()
 
     def _place_state(self, full: Mapping[str, torch.Tensor]) -> None:

@@ -94,7 +94,10 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
         losses.append(float(loss))
         reporter.step(index, losses[-1], time.perf_counter() - started)
     enter("report", quiet=True)
-    reporter.note(f"point-to-point: this rank sent {step.sent_bytes / len(losses) / 1e6:.3f} MB per step to other stages")
+    records = step.comm.records.values()
+    reporter.note(f"rank 0 per step: {step.sent_bytes / len(losses) / 1e6:.3f} MB sent point to point to other stages; "
+                  f"{sum(r.count for r in records) / len(losses):g} collectives moving "
+                  f"{sum(r.bytes for r in records) / len(losses) / 1e6:.3f} MB on its stage's sub-mesh")
     report = None
     if reference is not None:
         from .check import compare_runs
