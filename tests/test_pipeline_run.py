@@ -140,13 +140,29 @@ def test_bert_pp2_dp2_matches_one_device():
     assert "sub-mesh 2 (dp)" in text
 
 
+ONE_LAYER = """
+import torch
+import metadist
+
+
+def workload():
+    torch.manual_seed(0)
+    return metadist.Workload(model=torch.nn.Linear(8, 4), batch=(torch.randn(4, 8), torch.randn(4, 4)),
+                             loss_fn=lambda model, batch: torch.nn.functional.mse_loss(model(batch[0]), batch[1]),
+                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="one-layer")
+"""
+
+
 @pytest.mark.distributed
-def test_run_says_when_the_microbatches_do_not_divide_the_batch():
-    result = run_metadist("llama-tiny", "--nproc", "2", "--mesh", "pp=2", "--microbatches", "3", "--steps", "1",
+def test_run_says_in_one_block_when_no_stage_plan_fits(tmp_path):
+    """Rank 0 plans; its reason reaches every rank, so the block names it once, not a lost connection."""
+    model = tmp_path / "one_layer.py"
+    model.write_text(ONE_LAYER)
+    result = run_metadist(str(model), "--nproc", "2", "--mesh", "pp=2", "--steps", "1", "--memory-gb", "1e-7",
                           "--timeout-s", "60")
     assert result.returncode != 0
-    assert "3 microbatches do not divide the batch of 4; microbatch counts that fit: 1, 2, 4" in result.stderr
-    assert result.stderr.count("PipelineError") == 1  # one block
+    assert "InfeasibleBudgetError" in result.stderr and "stage" in result.stderr, result.stderr[-2000:]
+    assert "rank 1 (the same error" in result.stderr and "Connection closed" not in result.stderr
 
 
 def test_run_refuses_pipeline_options_without_a_pp_axis(capsys):

@@ -129,7 +129,7 @@ def _pipeline_plan(config: Any, torch_step: Any, microbatches: int) -> PipelineP
     from ..progress import phase
     from .plan_source import _broadcast_text
 
-    text = ""
+    text, failure = "", None
     if dist.get_rank() == 0:
         from ..cost.cluster import resolve_cluster
         from ..frontends.torch.discovery import TorchExecutor
@@ -137,11 +137,32 @@ def _pipeline_plan(config: Any, torch_step: Any, microbatches: int) -> PipelineP
         from ..solver.pipeline import plan_pipeline
 
         cluster = config.cluster if config.cluster is not None or torch.cuda.is_available() else "cpu-gloo"
-        rules = rules_from_database(torch_step.graph, TorchExecutor())
-        with phase("solve"):
-            plan = plan_pipeline(torch_step.graph, rules, resolve_cluster(cluster, config.mesh), microbatches=microbatches,
-                                 schedule=config.schedule or "1f1b", loss_divisor=torch_step.loss_divisor,
-                                 memory_budget_bytes=config.memory_budget_bytes)
-        text = plan.to_json()
-    with phase("waiting for rank 0's plan", quiet=True):
-        return PipelinePlan.from_json(_broadcast_text(text))
+        try:
+            rules = rules_from_database(torch_step.graph, TorchExecutor())
+            with phase("solve"):
+                plan = plan_pipeline(torch_step.graph, rules, resolve_cluster(cluster, config.mesh),
+                                     microbatches=microbatches, schedule=config.schedule or "1f1b",
+                                     loss_divisor=torch_step.loss_divisor, memory_budget_bytes=config.memory_budget_bytes)
+            text = plan.to_json()
+        except Exception as error:  # every rank stops with rank 0's reason (re-raised below), not a lost connection
+            failure = error
+            text = _FAILED + f"{type(error).__name__}: {error}"
+    with phase("pipeline planning", quiet=True):  # rank 0's failure is every rank's, in this phase
+        text = _broadcast_text(text)
+        if failure is not None:
+            raise failure
+        if text.startswith(_FAILED):
+            from ..solver import errors
+
+            kind, _, message = text[len(_FAILED):].partition(": ")
+            same = getattr(errors, kind, None)  # the solver's error types: the same error as rank 0's
+            if isinstance(same, type) and issubclass(same, Exception):
+                error = same.__new__(same)  # its message as is (its own __init__ may take other arguments)
+                Exception.__init__(error, message)
+                raise error
+            raise RunInputError(f"rank 0 could not plan the pipeline: {kind}: {message}")
+    return PipelinePlan.from_json(text)
+
+
+_FAILED = "\x00failed\x00"
+"""Marks rank 0's planning failure in the broadcast text (a plan's JSON never starts so)."""
