@@ -172,3 +172,24 @@ def test_run_refuses_pipeline_options_without_a_pp_axis(capsys):
     assert "--microbatches and --schedule go with a mesh with a pp axis" in capsys.readouterr().err
     assert main(["run", "llama-tiny", "--nproc", "4", "--mesh", "pp=3"]) == 2
     assert "has 3 devices but --nproc is 4" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_under_a_plan_without_pp(tmp_path):
+    """pp=2 saves after 2 steps (DCP, the usual layout); dp=2 resumes it, and its third step is one device's third."""
+    import re
+
+    from metadist.runtime.check import reference_run
+    from metadist.workloads import builtin_workload
+
+    folder = str(tmp_path / "ckpt")
+    first = run_metadist("llama-tiny", "--nproc", "2", "--mesh", "pp=2", "--steps", "2", "--checkpoint-dir", folder)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = run_metadist("llama-tiny", "--nproc", "2", "--mesh", "dp=2", "--steps", "3", "--checkpoint-dir", folder)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "resumed from" in second.stdout
+    got = float(re.search(r"step 2: loss ([0-9.]+)", second.stdout).group(1))
+    workload = builtin_workload("llama-tiny")
+    want = reference_run(workload.train_step(), workload.model, workload.optimizer, workload.batch, steps=3, seed=0)
+    assert got == pytest.approx(want.losses[2], rel=1e-5, abs=1e-5)

@@ -457,6 +457,24 @@ class PipelineStep:
                 mine[slot.name] = tensor.detach().cpu()
         return self._gather_leads(mine)
 
+    def write_back(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
+        """Put every stage's updated state, whole, into ``model`` and ``optimizer`` on every rank (collective).
+
+        What a checkpoint saves (DCP writes the whole tensors once, the same on every rank), so that it loads under
+        any plan, pipelined or not; it costs every rank the whole state for a moment.
+        """
+        state = self.state_dict(model, optimizer, batch)
+        params = dict(model.named_parameters())
+        for slot in self.torch_step.slots:
+            if slot.name not in state:
+                continue
+            tensor = state[slot.name].to(self.device)
+            if slot.kind == "param":
+                with torch.no_grad():
+                    params[slot.key].copy_(tensor)
+            elif slot.kind == "state" and optimizer is not None:
+                optimizer.state[params[slot.key]][slot.state_key] = tensor.clone()
+
     def grads(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient accumulated over the step's microbatches, whole, by parameter name (collective)."""
         mine = {}

@@ -38,7 +38,7 @@ def refuse_unsupported(config: Any) -> None:
         ("--precision/--reduce-dtype", config.precision is not None or config.reduce_dtype not in ("default", None)),
         ("--expert-capacity-factor", config.expert_capacity_factor is not None),
         ("--compile", config.compile_backend is not None), ("--check-shapes", config.check_shapes),
-        ("--checkpoint-dir", config.checkpoint_dir is not None), ("--meta-init", config.device == "meta"),
+        ("--meta-init", config.device == "meta"),
         ("--plan " + str(config.plan), config.plan != "solver"),
     ) if on]
     if unsupported:
@@ -52,7 +52,7 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     from ..progress import enter
     from .pipeline import PipelineStep
     from .setup import check_same_everywhere, setup_device_mesh
-    from .worker import _load_workload, _one_start, _reference, _train_step, _policy
+    from .worker import _load_workload, _one_start, _policy, _reference, _resume, _train_step
 
     refuse_unsupported(config)
     enter("setup")
@@ -86,14 +86,25 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     enter("reference run", quiet=not config.check)
     reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy) if config.check else None
     torch.manual_seed(config.seed)
+    checkpointer, start = _resume(config, workload.model, optimizer, reporter)
+    if start and reference is not None:
+        reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
+        reference = None
     losses = []
-    for index in range(config.steps):
+    for index in range(start, config.steps):
         enter(f"step {index}", quiet=True)
         started = time.perf_counter()
         loss = step(workload.model, optimizer, workload.batch)
         losses.append(float(loss))
         reporter.step(index, losses[-1], time.perf_counter() - started)
+        if checkpointer is not None and ((index + 1) % checkpointer.every == 0 or index + 1 == config.steps):
+            step.write_back(workload.model, optimizer, workload.batch)  # whole tensors: loads under any plan
+            checkpointer.save(index + 1, workload.model, optimizer)
+            reporter.note(f"checkpoint {checkpointer.path(index + 1)}")
     enter("report", quiet=True)
+    if not losses:
+        reporter.note(f"the newest checkpoint is at step {start} of --steps {config.steps}: nothing left to run")
+        return 0
     records = step.comm.records.values()
     reporter.note(f"rank 0 per step: {step.sent_bytes / len(losses) / 1e6:.3f} MB sent point to point to other stages; "
                   f"{sum(r.count for r in records) / len(losses):g} collectives moving "
