@@ -125,6 +125,7 @@ def test_llama_pp2_1f1b_matches_one_device():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_gpt2_pp2_gpipe_with_dropout_matches_one_device():
     text = _passed(run_metadist("gpt2-tiny", "--nproc", "2", "--mesh", "pp=2", "--steps", "2", "--check",
                                 "--schedule", "gpipe", "--timeout-s", "120"))
@@ -193,3 +194,42 @@ def test_a_pipeline_checkpoint_resumes_under_a_plan_without_pp(tmp_path):
     workload = builtin_workload("llama-tiny")
     want = reference_run(workload.train_step(), workload.model, workload.optimizer, workload.batch, steps=3, seed=0)
     assert got == pytest.approx(want.losses[2], rel=1e-5, abs=1e-5)
+
+
+COMPILE_SCRIPT = """
+import torch
+import torch.distributed as dist
+
+import metadist
+from metadist.runtime.check import compare_runs, reference_run
+from metadist.workloads import builtin_workload
+
+workload = builtin_workload("gpt2-tiny")  # default dropout: drawn whole, sliced per microbatch
+reference = reference_run(workload.train_step(), workload.model, workload.optimizer, workload.batch, steps=2, seed=0)
+optimizer = workload.optimizer(workload.model.parameters())
+step = metadist.compile(workload.train_step(), mesh="pp=2", microbatches=2, schedule="gpipe")
+torch.manual_seed(0)
+losses = [float(step(workload.model, optimizer, workload.batch)) for _ in range(2)]
+report = compare_runs(reference, losses, step.state_dict(), step.compiled.grads())
+report.raise_if_failed()
+for name, param in workload.model.named_parameters():  # the model holds the updated state, whole
+    assert torch.equal(param.detach(), step.state_dict()[name]), name
+if dist.get_rank() == 0:
+    print("PIPELINE-COMPILED-OK", len(report.differences))
+dist.destroy_process_group()
+from metadist.runtime.setup import exit_process
+exit_process(0)
+"""
+
+
+@pytest.mark.distributed
+def test_compile_runs_a_pipeline_and_keeps_the_model_current(tmp_path):
+    script = tmp_path / "train_pp.py"
+    script.write_text(COMPILE_SCRIPT)
+    env = {**os.environ, "METADIST_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PIPELINE-COMPILED-OK" in result.stdout

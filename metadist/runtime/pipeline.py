@@ -136,6 +136,9 @@ class PipelineStep:
         self.stages = device_mesh.shape[pp_dim]
         self.stage = plan.stages[self.index]
         sub_names = names[:pp_dim] + names[pp_dim + 1:]
+        if not sub_names:
+            raise RunInputError(f"the device mesh {names} has only a pp axis: give it a 1-device axis for the stages' "
+                                "sub-mesh, e.g. init_device_mesh(type, (pp, 1), mesh_dim_names=('pp', 'stage'))")
         self.sub_coords = coords[:pp_dim] + coords[pp_dim + 1:]
         self.sub_device_mesh = device_mesh[sub_names if len(sub_names) > 1 else sub_names[0]]
         if tuple(self.sub_device_mesh.shape) != plan.sub_mesh.shape:

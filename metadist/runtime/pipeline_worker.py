@@ -19,7 +19,7 @@ from ..ir import Mesh
 from ..ir.pipeline import PP_AXIS, PipelinePlan
 from .errors import RunInputError
 
-__all__ = ["default_microbatches", "pipeline_device_mesh", "run_pipeline_worker"]
+__all__ = ["default_microbatches", "pipeline_device_mesh", "pipeline_plan", "run_pipeline_worker"]
 
 
 def default_microbatches(pp: int, global_batch: int) -> int:
@@ -73,7 +73,8 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     if any(node.op.is_random for node in torch_step.graph.nodes):
         whole = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
                              name=workload.name or "step").graph
-    plan = _pipeline_plan(config, torch_step, microbatches)
+    plan = pipeline_plan(torch_step, config.mesh, microbatches, cluster=config.cluster, schedule=config.schedule,
+                         memory_budget_bytes=config.memory_budget_bytes)
     plan_hash = check_same_everywhere(plan.decisions_hash(), "pipeline plan")
     schedule = config.schedule or plan.schedule
     reporter.note(f"pipeline plan {plan_hash}: {pp} stages on {config.mesh}, sub-mesh {plan.sub_mesh}, {microbatches} "
@@ -133,8 +134,9 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     return 0
 
 
-def _pipeline_plan(config: Any, torch_step: Any, microbatches: int) -> PipelinePlan:
-    """Rank 0 discovers the rules and plans the pipeline; every rank receives its plan as JSON."""
+def pipeline_plan(torch_step: Any, mesh: Mesh, microbatches: int, *, cluster: str | None = None,
+                  schedule: str | None = None, memory_budget_bytes: float | None = None) -> PipelinePlan:
+    """Rank 0 discovers the rules and plans the pipeline; every rank receives its plan as JSON (or rank 0's error)."""
     import torch.distributed as dist
 
     from ..progress import phase
@@ -147,13 +149,13 @@ def _pipeline_plan(config: Any, torch_step: Any, microbatches: int) -> PipelineP
         from ..shardcombine.api import rules_from_database
         from ..solver.pipeline import plan_pipeline
 
-        cluster = config.cluster if config.cluster is not None or torch.cuda.is_available() else "cpu-gloo"
+        cluster = cluster if cluster is not None or torch.cuda.is_available() else "cpu-gloo"
         try:
             rules = rules_from_database(torch_step.graph, TorchExecutor())
             with phase("solve"):
-                plan = plan_pipeline(torch_step.graph, rules, resolve_cluster(cluster, config.mesh),
-                                     microbatches=microbatches, schedule=config.schedule or "1f1b",
-                                     loss_divisor=torch_step.loss_divisor, memory_budget_bytes=config.memory_budget_bytes)
+                plan = plan_pipeline(torch_step.graph, rules, resolve_cluster(cluster, mesh),
+                                     microbatches=microbatches, schedule=schedule or "1f1b",
+                                     loss_divisor=torch_step.loss_divisor, memory_budget_bytes=memory_budget_bytes)
             text = plan.to_json()
         except Exception as error:  # every rank stops with rank 0's reason (re-raised below), not a lost connection
             failure = error
