@@ -81,6 +81,11 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
                   f"microbatches of {global_batch // microbatches}, schedule {schedule}; "
                   + "; ".join(f"stage {s.index}: {len(s.forward) + len(s.backward) + len(s.update)} nodes, "
                               f"{len(s.owned)} state tensors" for s in plan.stages))
+    estimate = plan.estimate
+    if "step_s" in estimate:
+        reporter.note(f"estimate ({estimate.get('cluster', 'cost model')}): step {estimate['step_s'] * 1e3:.2f} ms, "
+                      f"bubble {estimate['bubble_fraction']:.0%}, "
+                      f"{estimate.get('p2p_bytes_per_microbatch', 0.0) / 1e6:.3f} MB between stages per microbatch")
     enter("lowering")
     step = PipelineStep(torch_step, plan, device_mesh, whole_graph=whole, bucket_cap_bytes=config.bucket_cap_bytes,
                         overlap=config.overlap, schedule=schedule)
