@@ -125,12 +125,18 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     if config.summary_path is not None and env.rank == 0:
         from pathlib import Path
 
-        from .summary import RunSummary, check_summary
+        from .summary import RunSummary, UnruledOp, check_summary, unruled_ops
 
+        unruled: dict[str, UnruledOp] = {}
+        for stage in plan.stages:  # every stage plan's nodes without a rule, by op
+            for item in unruled_ops(stage.plan, torch_step.graph):
+                known = unruled.get(item.op)
+                unruled[item.op] = item if known is None else UnruledOp(item.op, known.nodes + item.nodes, known.reason)
         summary = RunSummary(
             model=workload.name or config.model, mesh=config.mesh.shape,
             parameters=sum(p.numel() for p in workload.model.parameters()), losses=tuple(losses),
-            phase_seconds=dict(phase_times.seconds) if phase_times is not None else {}, unruled=(),
+            phase_seconds=dict(phase_times.seconds) if phase_times is not None else {},
+            unruled=tuple(sorted(unruled.values(), key=lambda u: (-u.nodes, u.op))),
             check=None if report is None else check_summary(report),
         )
         Path(config.summary_path).write_text(summary.to_json())
