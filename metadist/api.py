@@ -73,6 +73,11 @@ class CompileOptions:
     16 bits, gradients reduced in float32: FSDP2's MixedPrecisionPolicy), a ``metadist.PrecisionPolicy``, or None
     (as the step is written; a step under ``torch.autocast`` is captured as such). A float16 step should scale its
     loss with a ``torch.amp.GradScaler``, which is captured."""
+    microbatches: int | None = None
+    """A mesh with a ``pp`` axis (a pipeline): microbatches per step; None: the pp degree, or the most below it that
+    divide the batch."""
+    schedule: str | None = None
+    """A mesh with a ``pp`` axis: ``1f1b`` (None: the default) or ``gpipe``."""
 
     def __post_init__(self) -> None:
         if self.batch not in ("global", "local"):
@@ -81,6 +86,10 @@ class CompileOptions:
             raise ValueError(f"verify_batch={self.verify_batch!r}: choose 'first', 'always' or 'never'")
         if self.max_cached < 1:
             raise ValueError(f"max_cached must be at least 1, got {self.max_cached}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches={self.microbatches!r}: give 1 or more")
+        if self.schedule not in (None, "1f1b", "gpipe"):
+            raise ValueError(f"schedule={self.schedule!r}: choose '1f1b' or 'gpipe'")
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError(f"expert_capacity_factor={self.expert_capacity_factor!r}: give a positive factor, "
                              "or None for dropless experts")
@@ -211,6 +220,16 @@ class CompiledTrainStep:
         from .runtime.start_state import check_same_structure
 
         mesh, device_mesh = self._mesh(model)
+        if "pp" in mesh.axis_names:
+            from .runtime.pipeline_compile import compile_pipeline
+
+            step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
+            return compile_pipeline(step, model, optimizer if self.takes_optimizer else None, batch, mesh, device_mesh,
+                                    self.options, getattr(self.fn, "__name__", "step"))
+        if self.options.microbatches is not None or self.options.schedule is not None:
+            from .runtime.errors import RunInputError
+
+            raise RunInputError("microbatches= and schedule= go with a mesh with a pp axis (e.g. mesh='pp=2,dp=2')")
         check_same_structure(model, optimizer)  # before planning: rank 0's plan must fit every rank's graph
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
@@ -243,11 +262,13 @@ class CompiledTrainStep:
             logical = mesh
         else:
             logical = Mesh.parse(mesh) if isinstance(mesh, str) else Mesh(tuple(mesh))
-        if "pp" in logical.axis_names:
-            from .runtime.errors import RunInputError
+        if "pp" in logical.axis_names:  # a pipeline: with only pp, its stages get a 1-device sub-mesh axis
+            from .runtime.pipeline_worker import pipeline_device_mesh
 
-            raise RunInputError(f"mesh {logical} has a pp axis: pipelined execution is not supported yet (MetaDist plans "
-                                "pipelines, see metadist.solver.pipeline, but cannot run them); use a mesh without a pp axis")
+            shape = pipeline_device_mesh(logical)
+            if self._device_mesh is None or tuple(self._device_mesh.shape) != shape.shape:
+                self._device_mesh = setup_device_mesh(shape, read_torchrun_env(), timeout_s=self.options.timeout_s)
+            return logical, self._device_mesh
         if self._device_mesh is None or tuple(self._device_mesh.shape) != logical.shape:
             self._device_mesh = setup_device_mesh(logical, read_torchrun_env(), timeout_s=self.options.timeout_s)
         return logical, self._device_mesh

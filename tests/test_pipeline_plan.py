@@ -162,7 +162,7 @@ def test_bad_pipeline_input_says_what_fits(rules_db):
     assert microbatch_counts(16, 2) == [2, 4, 8, 16][:4] and microbatch_counts(6, 4) == []
 
 
-def test_cli_plans_a_pipeline_and_refuses_to_run_one(rules_db, capsys, tmp_path):
+def test_cli_plans_a_pipeline(rules_db, capsys, tmp_path):
     from metadist.cli.main import main
 
     out = tmp_path / "pp.json"
@@ -175,8 +175,8 @@ def test_cli_plans_a_pipeline_and_refuses_to_run_one(rules_db, capsys, tmp_path)
     assert "3 microbatches do not divide the batch of 4" in capsys.readouterr().err
     assert main(["plan", "llama-tiny", "--devices", "6", "--pp", "4", "--rules-db", rules_db]) == 2
     assert "pp=4 does not divide the 6 devices" in capsys.readouterr().err
-    assert main(["run", "llama-tiny", "--nproc", "4", "--mesh", "pp=2,dp=2", "--check"]) == 2
-    assert "pipelined execution is not supported yet" in capsys.readouterr().err
+    assert main(["run", "llama-tiny", "--nproc", "2", "--mesh", "dp=2", "--microbatches", "2"]) == 2
+    assert "--microbatches and --schedule go with a mesh with a pp axis" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pp,microbatches,preset", [(2, 2, "cpu-gloo"), (4, 4, "h100-ib")])

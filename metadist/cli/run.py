@@ -76,6 +76,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--summary-json", default=None, type=Path,
                         help="write the run's summary here as JSON: parameters, compile phase seconds, ops without a "
                              "rule, losses and, with --check, the largest differences (what python -m metadist.bench.zoo tabulates)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="with a pp mesh axis: microbatches per step (default: the pp degree, or the most below it "
+                             "that divide the batch)")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default=None,
+                        help="with a pp mesh axis: the pipeline schedule (default 1f1b)")
     add_precision_arguments(parser)
     parser.add_argument("--no-loss-scaling", action="store_true",
                         help="with --precision fp16: no GradScaler (gradients may underflow: MetaDist warns)")
@@ -144,6 +149,10 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         command += ["--reduce-dtype", args.reduce_dtype]
     if getattr(args, "no_loss_scaling", False):
         command.append("--no-loss-scaling")
+    if getattr(args, "microbatches", None) is not None:
+        command += ["--microbatches", str(args.microbatches)]
+    if getattr(args, "schedule", None):
+        command += ["--schedule", args.schedule]
     if getattr(args, "verbose", False):
         command.append("--verbose")
     return command
@@ -229,11 +238,10 @@ def run(args: argparse.Namespace) -> int:
         print("metadist run: note: --max-restarts without --checkpoint-dir restarts from the first step", file=sys.stderr)
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
     if "pp" in mesh.axis_names:
-        raise UsageError(
-            f"the mesh {mesh} has a pp axis: pipelined execution is not supported yet (MetaDist plans pipelines but "
-            f"cannot run them). See the plan with `metadist plan {args.model} --mesh {args.mesh}`; run on a mesh "
-            "without a pp axis (e.g. rename it dp)"
-        )
+        if args.microbatches is not None and args.microbatches < 1:
+            raise UsageError(f"--microbatches must be at least 1, got {args.microbatches}")
+    elif args.microbatches is not None or args.schedule is not None:
+        raise UsageError("--microbatches and --schedule go with a mesh with a pp axis (e.g. --mesh pp=2 or pp=2,dp=2)")
     if mesh.size != args.nproc:
         raise UsageError(
             f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "

@@ -249,20 +249,22 @@ def lower_for_rank(graph: Graph, plan: Plan, rank: int, *, bucket_cap_bytes: int
 
 
 def lower(graph: Graph, plan: Plan, coords: Sequence[int], *, bucket_cap_bytes: int | None = None,
-          overlap: bool = False) -> RankProgram:
+          overlap: bool = False, partial_inputs: frozenset[str] = frozenset()) -> RankProgram:
     """Lower ``plan`` for ``graph`` to the program of the rank at ``coords`` on the plan's mesh.
 
     Reshards are then coalesced into buckets of at most ``bucket_cap_bytes`` (None: the default,
     :data:`~metadist.lowering.coalesce.DEFAULT_BUCKET_CAP_BYTES`; 0: one collective per reshard);
     see :mod:`metadist.lowering.coalesce`. With ``overlap`` every collective is issued as early as
     its sources allow and waited on right before its first reader (:mod:`metadist.lowering.overlap`);
-    without it each runs to completion where it stands.
+    without it each runs to completion where it stands. ``partial_inputs``: graph inputs that may start
+    ``Partial`` (each rank holds a summand: a pipeline stage's gradients accumulated over microbatches, reduced
+    once by the update); any other input starting ``Partial`` is an error.
     """
     from .coalesce import DEFAULT_BUCKET_CAP_BYTES, coalesce  # coalesce builds on this module's instructions
     from .overlap import in_flight_cap_for, schedule_overlap
 
     _check_plan_covers(graph, plan)
-    lowering = _Lowering(graph, plan, tuple(coords))
+    lowering = _Lowering(graph, plan, tuple(coords), partial_inputs)
     inputs = lowering.inputs()
     for node in graph.nodes:
         lowering.node(node)
@@ -276,8 +278,9 @@ def lower(graph: Graph, plan: Plan, coords: Sequence[int], *, bucket_cap_bytes: 
 class _Lowering:
     """The walk over the graph: current sharding of every value, instructions so far."""
 
-    def __init__(self, graph: Graph, plan: Plan, coords: tuple[int, ...]) -> None:
+    def __init__(self, graph: Graph, plan: Plan, coords: tuple[int, ...], partial_inputs: frozenset[str] = frozenset()) -> None:
         self.graph, self.plan, self.mesh, self.coords = graph, plan, plan.mesh, coords
+        self.partial_inputs = partial_inputs
         self.sharding: dict[str, tuple] = {}
         self.resharded: dict[tuple[str, tuple], str] = {}
         self.instructions: list[Instruction] = []
@@ -287,7 +290,7 @@ class _Lowering:
         for graph_input in self.graph.inputs:
             name, spec = graph_input.value.name, graph_input.value.spec
             sharding = tuple(self.plan.input_shardings[name])
-            if any(isinstance(p, Partial) for p in sharding):
+            if any(isinstance(p, Partial) for p in sharding) and name not in self.partial_inputs:
                 raise LoweringError(f"graph input %{name} starts {format_sharding(sharding)}; inputs cannot start Partial")
             what = f"{graph_input.role} input %{name}"
             result.append(ProgramInput(name, graph_input.role, spec, sharding,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import Mesh
+from ..ir.pipeline import PP_AXIS
 from ..progress import PhaseTimes
 from .build import bytes_from_mib
 from .env import read_torchrun_env
@@ -77,6 +78,10 @@ class WorkerConfig:
     """The policy's gradient reduce dtype (``default``: float32 for mixed policies)."""
     loss_scaling: bool = True
     """With ``fp16``: scale the loss with a ``torch.amp.GradScaler`` (False shows the underflow warning)."""
+    microbatches: int | None = None
+    """With a ``pp`` mesh axis: microbatches per step (None: the pp degree, or the most below it that divide the batch)."""
+    schedule: str | None = None
+    """With a ``pp`` mesh axis: ``gpipe`` or ``1f1b`` (None: 1f1b)."""
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -104,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--precision", default=None)
     parser.add_argument("--reduce-dtype", default="default")
     parser.add_argument("--no-loss-scaling", action="store_true")
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("--schedule", default=None, choices=("gpipe", "1f1b"))
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -120,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         summary_path=args.summary_json,
         expert_capacity_factor=args.expert_capacity_factor,
         precision=args.precision, reduce_dtype=args.reduce_dtype, loss_scaling=not args.no_loss_scaling,
+        microbatches=args.microbatches, schedule=args.schedule,
     )
 
 
@@ -132,9 +140,17 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     from .report import Reporter
 
     env = read_torchrun_env()
+    reporter = Reporter(enabled=env.rank == 0)
+    if PP_AXIS in config.mesh.axis_names:
+        from .pipeline_worker import run_pipeline_worker
+
+        return run_pipeline_worker(config, env, reporter, phase_times)
+    if config.microbatches is not None or config.schedule is not None:
+        from .errors import RunInputError
+
+        raise RunInputError("--microbatches and --schedule go with a mesh with a pp axis (e.g. --mesh pp=2,dp=2)")
     enter("setup")
     device_mesh = setup_device_mesh(config.mesh, env, timeout_s=config.timeout_s)
-    reporter = Reporter(enabled=env.rank == 0)
     enter("load")
     workload = _load_workload(config)
     parameters = sum(parameter.numel() for parameter in workload.model.parameters())

@@ -1,0 +1,69 @@
+"""Measured: a pipeline (pp) against data parallelism (dp) on the same processes, side by side.
+
+    python -m metadist.bench.pipeline_run --model llama-tiny --nproc 2 --steps 12 --microbatches 4
+
+Runs ``metadist run MODEL --nproc N --mesh pp=N`` (the given microbatch count, 1F1B) and
+``--mesh dp=N`` (the ILP's plan for the whole step) one after the other, each with ``--check``
+and ``--summary-json``, and prints each run's median step seconds (the first step, which
+compiles and places the state, left out), the ratio and whether the check passed. The runs
+alternate ``--repeats`` times and the medians are over every repeat's steps, so a machine
+busy with other work weighs on both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["main", "measure"]
+
+
+def measure(model: str, mesh: str, nproc: int, steps: int, extra: list[str]) -> tuple[list[float], bool]:
+    """Step seconds after the first, and whether --check passed, of one run."""
+    with tempfile.TemporaryDirectory() as folder:
+        summary = Path(folder) / "summary.json"
+        command = [sys.executable, "-m", "metadist.cli.main", "run", model, "--nproc", str(nproc), "--mesh", mesh,
+                   "--steps", str(steps), "--check", "--summary-json", str(summary), *extra]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if result.returncode != 0 or not summary.is_file():
+            raise SystemExit(f"{' '.join(command[2:])} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        data = json.loads(summary.read_text())
+    seconds = [data["phase_seconds"][f"step {i}"] for i in range(1, steps)]
+    return seconds, bool(data["check"]["passed"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m metadist.bench.pipeline_run", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-tiny")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    runs = {f"pp={args.nproc} (1f1b, {args.microbatches} microbatches)":
+            (f"pp={args.nproc}", ["--microbatches", str(args.microbatches), "--schedule", "1f1b"]),
+            f"dp={args.nproc} (ILP plan, no pipeline)": (f"dp={args.nproc}", [])}
+    seconds = {label: [] for label in runs}
+    passed = {label: True for label in runs}
+    for _ in range(args.repeats):
+        for label, (mesh, extra) in runs.items():
+            got, ok = measure(args.model, mesh, args.nproc, args.steps, extra)
+            seconds[label] += got
+            passed[label] &= ok
+    print(f"{args.model} on {args.nproc} processes (gloo, CPU), {args.steps - 1} steps x {args.repeats} repeats each")
+    medians = {label: statistics.median(values) for label, values in seconds.items()}
+    for label, median in medians.items():
+        print(f"  {label:<40} median step {median * 1e3:8.1f} ms   check {'PASS' if passed[label] else 'FAIL'}")
+    pp, dp = medians.values()
+    print(f"  pp / dp step time: {pp / dp:.2f}")
+    return 0 if all(passed.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
