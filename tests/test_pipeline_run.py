@@ -6,6 +6,7 @@ parameters and optimizer state with the same steps on one device (``--check``).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -233,3 +234,20 @@ def test_compile_runs_a_pipeline_and_keeps_the_model_current(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PIPELINE-COMPILED-OK" in result.stdout
+
+
+def test_pipeline_run_rows_are_recorded_replaced_and_rendered(tmp_path):
+    from metadist.bench.pipeline_run import markdown, record
+
+    path = tmp_path / "pipeline_run.json"
+    base = {"nproc": 2, "steps": 12, "repeats": 2, "pp_passed": True, "dp_passed": True, "load_average_1min": 3.0}
+    record(path, {**base, "model": "llama-tiny", "microbatches": 4, "pp_ms": 90.0, "dp_ms": 60.0, "command": "first"})
+    record(path, {**base, "model": "bert-tiny", "microbatches": 2, "pp_ms": 80.0, "dp_ms": 100.0, "command": "bert",
+                  "dp_passed": False})
+    record(path, {**base, "model": "llama-tiny", "microbatches": 4, "pp_ms": 120.0, "dp_ms": 60.0, "command": "again"})
+    data = json.loads(path.read_text())
+    assert [(r["model"], r["command"]) for r in data["rows"]] == [("bert-tiny", "bert"), ("llama-tiny", "again")]
+    text = "\n".join(markdown(data))
+    assert "| bert-tiny | 2 | 2 | 80.0 ms | 100.0 ms | 0.80 | FAIL | 3.0 |" in text
+    assert "| llama-tiny | 2 | 4 | 120.0 ms | 60.0 ms | 2.00 | PASS | 3.0 |" in text
+    assert "first" not in text and "again" in text

@@ -274,7 +274,7 @@ def pipeline_section(study: dict) -> list[str]:
 
 
 def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str],
-         pipeline: dict | None = None, recompute: dict | None = None) -> str:
+         pipeline: dict | None = None, recompute: dict | None = None, pipeline_run: dict | None = None) -> str:
     first = runs[0]
     machine, versions = first.machine, first.versions
     parts = [
@@ -370,6 +370,17 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "the same cost model; *zero3+recompute* is ZeRO-3 with every layer recomputing.", "",
                   "```bash", recompute.get("command", "python -m metadist.bench.recompute_demo"), "```", "",
                   *recompute_markdown(recompute), ""]
+    if pipeline_run:
+        from .pipeline_run import markdown as pipeline_run_markdown
+
+        parts += ["## Pipeline execution, measured (CPU, gloo)", "",
+                  "A pipeline run (`--mesh pp=N`, 1F1B) and a run of the ILP's plan without a pipeline (`--mesh dp=N`) of "
+                  "the same step on the same processes, alternated, each with `--check`: the median step after the first, "
+                  "over every repeat. pp/dp below 1: the pipeline is faster. At these sizes a step is mostly per-op "
+                  "overhead, which every microbatch pays again on each stage, so more microbatches cost more here; a "
+                  "pipeline sends one activation and its gradient per microbatch where data parallelism all-reduces "
+                  "every gradient. *load*: the machine's 1-minute load average on 2 cores at the end.", "",
+                  *pipeline_run_markdown(pipeline_run), ""]
     parts += ["## Plots", ""] + [f"![{title}]({path})" for title, path in images.items()] + [""]
     return "\n".join(parts)
 
@@ -573,7 +584,10 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
     pipeline = json.loads(pipeline_path.read_text()) if pipeline_path is not None and pipeline_path.is_file() else None
     recompute_path = scale_path.parent / "recompute_demo.json" if scale_path is not None else None
     recompute = json.loads(recompute_path.read_text()) if recompute_path is not None and recompute_path.is_file() else None
-    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute))
+    pipeline_run_path = scale_path.parent / "pipeline_run.json" if scale_path is not None else None
+    pipeline_run = (json.loads(pipeline_run_path.read_text())
+                    if pipeline_run_path is not None and pipeline_run_path.is_file() else None)
+    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute, pipeline_run))
     return out
 
 
