@@ -113,6 +113,37 @@ def standin_shapes(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
     return tuple(tuple(mapping[size] for size in shape) for shape in shapes)
 
 
+def standin_shapes_keeping(shapes: Sequence[Shape], kept: Sequence[Sequence[int]],
+                           sizes: Sequence[int] = STANDIN_SIZES) -> tuple[Shape, ...] | None:
+    """Small shapes as :func:`standin_shapes` gives, except that the sizes of the ``kept`` dims stay real.
+
+    ``kept[i]`` lists the dims of input ``i`` whose real sizes the op's arguments refer to. Every
+    dim of a kept size keeps it (equal sizes stay equal); the other sizes take the smallest of
+    ``sizes``, then of multiples of 6 beyond them, that keep every size distinct and in order
+    around the kept ones. None when that is impossible (a kept size too close above smaller ones).
+    """
+    keep = {shape[dim] for shape, dims in zip(shapes, kept) for dim in dims if shape[dim] > 1}
+    distinct = sorted({size for shape in shapes for size in shape if size > 1})
+    if len(distinct) - len(keep) > len(sizes):
+        raise ValueError(f"{len(distinct)} distinct sizes; stand-in shapes support {len(sizes)} besides the kept ones")
+    mapping: dict[int, int] = {0: 0, 1: 1}
+    last, pool = 1, list(sizes)
+    for position, size in enumerate(distinct):
+        if size in keep:
+            if size <= last:
+                return None
+            mapping[size] = last = size
+            continue
+        standin = next((s for s in pool if s > last), None)
+        if standin is None:
+            standin = last + 6 - last % 6
+        bound = next((k for k in distinct[position + 1:] if k in keep), None)
+        if bound is not None and standin >= bound:
+            return None
+        mapping[size] = last = standin
+    return tuple(tuple(mapping[size] for size in shape) for shape in shapes)
+
+
 def standin_reshape(in_shape: Shape, out_shape: Shape) -> Shape:
     """A small input shape for a reshape that keeps its dim groups.
 

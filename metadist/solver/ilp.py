@@ -65,7 +65,7 @@ INTEGRALITY_TOLERANCE = 1e-6
 """How far from 0 or 1 a relaxed strategy variable may be and still count as integral."""
 MEMORY_SCALE = 1e-6
 """Memory rows are in megabytes (bytes times this) to keep coefficients well scaled."""
-ACCEPTED_ROUNDING_GAP = 0.01
+ACCEPTED_ROUNDING_GAP = 0.05
 """A rounded relaxation is kept when its objective is within this fraction of the relaxation's bound."""
 MEMORY_MARGIN_BYTES = 64.0
 """Taken off the budget in the memory rows: HiGHS accepts rows a feasibility tolerance (a few bytes
