@@ -3,7 +3,7 @@
 Run as ``python -m metadist.bench.solver_bench [--models gpt2-small,gpt2-xl,llama-7b]
 [--meshes 8,2x4,8x8] [--cluster h100-ib] [--json FILE]``. For every model it reports the seconds
 of capture (a deep model on 4 of its layers, expanded) and of discovery (the rule database's
-hits and misses), and for every mesh the nodes before and after shrinking, ILP variables and
+hits and misses) with the count of nodes left without a rule, and for every mesh the nodes before and after shrinking, ILP variables and
 constraints, problem build, ILP build and solve seconds, the MIP gap, the end-to-end total, and
 the estimated step time of the plan next to data parallel, ZeRO-2, ZeRO-3 and Megatron TP, all
 priced by the same cost model. Seconds are wall-clock with the process's CPU seconds next to
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         graph, rules, timings = capture(model, args.rules_db)
         phases = ", ".join(f"{phase} {wall:.2f} s (CPU {cpu:.2f} s)" for phase, (wall, cpu) in timings.items())
-        console.print(f"{model}: {len(graph.nodes)} nodes; {phases}")
+        unruled = len(getattr(rules, "missing", {}))
+        console.print(f"{model}: {len(graph.nodes)} nodes, {unruled} without a rule; {phases}")
         budget = None if args.memory_gb is None else args.memory_gb * 1e9
         rows = [bench_one(graph, rules, Mesh.parse(text), args.cluster, args.time_limit, not args.no_baselines, budget)
                 for text in args.meshes.split(",")]
