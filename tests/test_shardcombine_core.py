@@ -121,14 +121,15 @@ def test_standin_shapes_keep_ones_equalities_and_order():
     assert all(size % 6 == 0 for shape in shapes for size in shape if size > 1)
 
 
-def test_standin_shapes_keep_the_sizes_the_arguments_refer_to_and_stay_ordered():
-    # RoPE: a slice of the head dim (128) keeps it; 2048 must stay above it, 8 and 32 below
-    assert standin_shapes_keeping([(8, 32, 2048, 128)], [(3,)]) == ((6, 12, 132, 128),)
+def test_standin_shapes_keep_the_sizes_the_arguments_refer_to():
+    # RoPE: a slice of the head dim (128) keeps it; the other sizes shrink, in order among themselves
+    assert standin_shapes_keeping([(8, 32, 2048, 128)], [(3,)]) == ((6, 12, 18, 128),)
+    assert standin_shapes_keeping([(1024, 64, 4096, 128)], [(3,)]) == ((12, 6, 18, 128),)  # LLaMA-70B
     # every dim of a kept size keeps it (equal sizes stay equal); with nothing kept: the plain stand-ins
     assert standin_shapes_keeping([(4, 64, 64), (64,)], [(2,), ()]) == ((6, 64, 64), (64,))
     assert standin_shapes_keeping([(32, 64), (1, 256)], [(), ()]) == standin_shapes([(32, 64), (1, 256)])
-    # no stand-in between 3 and the kept 8 for both 4 and 5: none, so discovery falls back to the real shapes
-    assert standin_shapes_keeping([(3, 4, 5, 8)], [(3,)]) is None
+    # a stand-in never takes a kept size: the sizes stay distinct
+    assert standin_shapes_keeping([(3, 4, 5, 12)], [(3,)]) == ((6, 18, 24, 12),)
 
 
 def test_piece_sizes_are_uneven_when_possible():

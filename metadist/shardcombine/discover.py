@@ -242,10 +242,10 @@ def _shape_options(call: OpCall, executor: OpExecutor, shapes, config: Discovery
     elif op_name(call.target) in RESHAPE_OPS and call.node.outputs[0] is not None:
         standin = (standin_reshape(real[0], call.node.outputs[0].spec.shape),) + standin_shapes(real[1:])
     elif any(kept := kept_dims(executor, call)):
-        standin = standin_shapes_keeping(real, kept)  # None: no stand-ins keep the sizes in order
+        standin = standin_shapes_keeping(real, kept)
     else:
         standin = standin_shapes(real)
-    options = [] if standin is None else [("stand-in", standin)]
+    options = [("stand-in", standin)]
     if sum(int(np.prod(s)) for s in real) <= config.real_shape_budget and standin != real:
         options.append(("real", real))
     return options
