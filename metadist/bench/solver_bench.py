@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import time
 from typing import Any
 
@@ -139,11 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                 for text in args.meshes.split(",")]
         for row in rows:
             row["front_s"] = {phase: list(seconds) for phase, seconds in timings.items()}
+            row["nodes_without_rule"] = unruled
+            row["load_average_1min"] = os.getloadavg()[0]  # on a shared machine, wall seconds stretch with it
         print_rows(console, model, rows)
         results[model] = rows
     if args.json:
+        command = "python -m metadist.bench.solver_bench " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
+            json.dump({"command": command, "cpu_count": os.cpu_count(), "models": results}, handle, indent=1)
     return 0
 
 
