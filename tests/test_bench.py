@@ -118,3 +118,15 @@ def test_report_writes_page_and_plots(tmp_path):
     assert "CPUs: 2" in page and "make bench" in page
     for name in ("step_time.png", "memory.png", "compile_time.png", "predicted_vs_measured.png"):
         assert (tmp_path / "docs" / "img" / name).stat().st_size > 0
+
+
+def test_the_planning_section_shows_each_phase_with_its_cpu_seconds_and_the_load():
+    from metadist.bench.report import planning_section
+
+    row = {"mesh": "8x8", "graph_nodes": 14027, "nodes_without_rule": 359, "problem_build_s": 2.5, "build_s": 0.1,
+           "solve_s": 1.9, "plan_total_s": 7.0, "plan_total_cpu_s": 6.3, "mip_gap": 0.0325, "method": "LP relaxation",
+           "front_s": {"load": [3.0, 2.1], "capture": [5.3, 2.9], "discovery": [0.2, 0.2]}, "load_average_1min": 7.4}
+    lines = planning_section([{"command": "python -m metadist.bench.solver_bench --models llama-7b", "models": {"llama-7b": [row]}}])
+    assert "python -m metadist.bench.solver_bench --models llama-7b" in lines
+    assert "| llama-7b | 8x8 | 14027 | 359 | 3.00 (2.10) | 5.30 (2.90) | 0.20 (0.20) | 2.50 | 0.10 | 1.90 | 7.00 (6.30) | 0.0325 " \
+           "| LP relaxation | 7.4 |" in "\n".join(lines)

@@ -113,6 +113,25 @@ def test_check_tolerances_and_report():
         compare_runs(reference, [1.0], {"v": torch.zeros(3)}, reference.grads)
 
 
+def test_the_reference_run_of_the_distributed_runs_own_capture_equals_a_fresh_capture():
+    from metadist.frontends.torch import capture_step
+    from metadist.runtime.check import reference_run
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload("mlp")
+    optimizer = workload.optimizer(workload.model.parameters())
+    captured = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, keep_grads=True)
+    args = (workload.train_step(), workload.model, workload.optimizer, workload.batch)
+    fresh, reused = reference_run(*args, steps=2, seed=0), reference_run(*args, steps=2, seed=0, captured=captured)
+    assert fresh.losses == reused.losses and fresh.losses[0] != fresh.losses[1]
+    for mine, theirs in ((fresh.grads, reused.grads), (fresh.state, reused.state)):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[name], theirs[name]) for name in mine)
+    assert all(torch.equal(a, b) for a, b in zip(workload.model.parameters(), builtin_workload("mlp").model.parameters()))
+    without_grads = capture_step(workload.train_step(), workload.model, optimizer, workload.batch)
+    with pytest.raises(ValueError, match="gradient outputs"):
+        reference_run(*args, steps=1, seed=0, captured=without_grads)
+
+
 def test_cli_rejects_a_mesh_that_does_not_fit_nproc():
     import argparse
 

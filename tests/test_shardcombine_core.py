@@ -28,7 +28,14 @@ from metadist.shardcombine import (
     signature_of,
     tolerance_for,
 )
-from metadist.shardcombine.shapes import piece_sizes, reshape_for, reshape_groups, standin_reshape, standin_shapes
+from metadist.shardcombine.shapes import (
+    piece_sizes,
+    reshape_for,
+    reshape_groups,
+    standin_reshape,
+    standin_shapes,
+    standin_shapes_keeping,
+)
 
 
 # ----------------------------------------------------------------- a numpy executor
@@ -112,6 +119,17 @@ def test_standin_shapes_keep_ones_equalities_and_order():
     shapes = standin_shapes([(32, 64), (64, 256), (1, 256)])
     assert shapes == ((6, 12), (12, 18), (1, 18))
     assert all(size % 6 == 0 for shape in shapes for size in shape if size > 1)
+
+
+def test_standin_shapes_keep_the_sizes_the_arguments_refer_to():
+    # RoPE: a slice of the head dim (128) keeps it; the other sizes shrink, in order among themselves
+    assert standin_shapes_keeping([(8, 32, 2048, 128)], [(3,)]) == ((6, 12, 18, 128),)
+    assert standin_shapes_keeping([(1024, 64, 4096, 128)], [(3,)]) == ((12, 6, 18, 128),)  # LLaMA-70B
+    # every dim of a kept size keeps it (equal sizes stay equal); with nothing kept: the plain stand-ins
+    assert standin_shapes_keeping([(4, 64, 64), (64,)], [(2,), ()]) == ((6, 64, 64), (64,))
+    assert standin_shapes_keeping([(32, 64), (1, 256)], [(), ()]) == standin_shapes([(32, 64), (1, 256)])
+    # a stand-in never takes a kept size: the sizes stay distinct
+    assert standin_shapes_keeping([(3, 4, 5, 12)], [(3,)]) == ((6, 18, 24, 12),)
 
 
 def test_piece_sizes_are_uneven_when_possible():

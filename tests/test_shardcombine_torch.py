@@ -21,7 +21,8 @@ from metadist.shardcombine import (
     graph_rules,
     op_call,
 )
-from metadist.shardcombine.discover import is_random_like
+from metadist.shardcombine.discover import DiscoveryConfig, is_random_like
+from metadist.shardcombine.recheck import check_rule_by_execution
 from metadist.workloads import builtin_workload
 
 EXECUTOR = TorchExecutor()
@@ -174,6 +175,36 @@ def test_no_tensor_inputs_is_a_stated_reason():
     call = aten("arange.default", (16,), [], [((16,), "int64")])
     with pytest.raises(NoRule, match="no tensor inputs"):
         discover(call, EXECUTOR)
+
+
+_ROPE_IN, _ROPE_HALF = (4, 6, 40, 32), (4, 6, 40, 16)
+_ROPE = {  # LLaMA's rotate_half: the two halves of the head dim, and their backward
+    "first_half": aten("slice.Tensor", (X, 3, 0, 16), [(_ROPE_IN, F32)], [(_ROPE_HALF, F32)]),
+    "second_half": aten("slice.Tensor", (X, 3, 16, 9223372036854775807), [(_ROPE_IN, F32)], [(_ROPE_HALF, F32)]),
+    "backward": aten("slice_backward.default", (X, _ROPE_IN, 3, 16, 9223372036854775807, 1), [(_ROPE_HALF, F32)],
+                     [(_ROPE_IN, F32)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROPE))
+def test_rope_slices_get_rules_at_stand_in_shapes_that_hold_on_the_real_shapes(name):
+    call = _ROPE[name]
+    assert EXECUTOR.kept_dims(call) == ((3,),)  # the sliced dim keeps its size; the others shrink
+    rule = discover(call, EXECUTOR, config=DiscoveryConfig(real_shape_budget=0))  # stand-in shapes only
+    assert str(rule) == "abc_->abc_ | pass 0:max 0:min 0:sum"  # never a factor along the sliced dim
+    for seed, shards in ((0, 2), (1, 3), (2, 4)):
+        inputs = EXECUTOR.example_inputs(call, np.random.default_rng(seed), call.input_shapes)
+        for factor in rule.factors:
+            assert check_factor(call, EXECUTOR, factor, inputs, shards, uneven=seed % 2 == 1) is None, factor
+        for partial in rule.partial_passes:
+            assert check_partial_pass(call, EXECUTOR, partial, inputs, shards, seed) is None, partial
+    assert all(check.ok for check in check_rule_by_execution(call, rule, EXECUTOR))  # fresh shapes keep the dim too
+
+
+def test_a_whole_dim_slice_keeps_nothing():
+    call = aten("slice.Tensor", (X, 3, 0, 9223372036854775807), [(_ROPE_IN, F32)], [(_ROPE_IN, F32)])
+    assert EXECUTOR.kept_dims(call) == ((),)
+    assert str(discover(call, EXECUTOR)).startswith("abcd->abcd")
 
 
 # ----------------------------------------------------------------- rules hold on other shapes

@@ -273,8 +273,38 @@ def pipeline_section(study: dict) -> list[str]:
     return lines + ["", markdown(rows), ""]
 
 
+def planning_section(studies: Sequence[dict]) -> list[str]:
+    """Planning time at scale (``metadist.bench.solver_bench --json``): each phase's wall and CPU seconds."""
+    lines = ["## Planning time at scale (`metadist.bench.solver_bench`)", "",
+             "Capture (a deep model on 4 of its layers, expanded to all), discovery (the rule database warm), and per "
+             "mesh the problem build, ILP build, solve and whole `plan_graph` seconds, on this machine. Wall seconds "
+             "stretch with the load average (column *load*, on the machine's CPUs); CPU seconds are what the work "
+             "costs. *without rule*: nodes that run replicated (factories: scalars and `arange`, which have no inputs).",
+             "", "```bash", *(study.get("command", "python -m metadist.bench.solver_bench") for study in studies), "```", ""]
+    header = ("model", "mesh", "nodes", "without rule", "load s (CPU)", "capture s (CPU)", "discovery s (CPU)",
+              "problem s", "ILP build s", "solve s", "plan total s (CPU)", "gap", "method", "load")
+    rows = []
+    for study in studies:
+        for model, results in study.get("models", {}).items():
+            for row in results:
+                front = row.get("front_s", {})
+
+                def phase(name: str) -> str:
+                    return "-" if name not in front else f"{front[name][0]:.2f} ({front[name][1]:.2f})"
+
+                gap = row.get("mip_gap")
+                rows.append([model, row["mesh"], str(row["graph_nodes"]), str(row.get("nodes_without_rule", "-")),
+                             phase("load"), phase("capture"), phase("discovery"), f"{row['problem_build_s']:.2f}",
+                             f"{row['build_s']:.2f}", f"{row['solve_s']:.2f}",
+                             f"{row['plan_total_s']:.2f} ({row['plan_total_cpu_s']:.2f})",
+                             "-" if gap is None else f"{gap:.3g}", str(row.get("method")),
+                             f"{row['load_average_1min']:.1f}" if "load_average_1min" in row else "-"])
+    return lines + [markdown_table(header, rows), ""]
+
+
 def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str],
-         pipeline: dict | None = None, recompute: dict | None = None, pipeline_run: dict | None = None) -> str:
+         pipeline: dict | None = None, recompute: dict | None = None, pipeline_run: dict | None = None,
+         planning: Sequence[dict] = ()) -> str:
     first = runs[0]
     machine, versions = first.machine, first.versions
     parts = [
@@ -358,6 +388,8 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   scale_tables(scale), ""]
         if missing:
             parts += [f"Not in this study (the run did not reach them): {', '.join(missing)}.", ""]
+    if planning:
+        parts += planning_section(planning)
     if pipeline:
         parts += pipeline_section(pipeline)
     if recompute:
@@ -587,7 +619,9 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
     pipeline_run_path = scale_path.parent / "pipeline_run.json" if scale_path is not None else None
     pipeline_run = (json.loads(pipeline_run_path.read_text())
                     if pipeline_run_path is not None and pipeline_run_path.is_file() else None)
-    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute, pipeline_run))
+    planning = [json.loads(path.read_text()) for path in sorted(scale_path.parent.glob("solver_bench*.json"))] \
+        if scale_path is not None else []
+    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute, pipeline_run, planning))
     return out
 
 

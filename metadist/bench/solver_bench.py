@@ -3,7 +3,7 @@
 Run as ``python -m metadist.bench.solver_bench [--models gpt2-small,gpt2-xl,llama-7b]
 [--meshes 8,2x4,8x8] [--cluster h100-ib] [--json FILE]``. For every model it reports the seconds
 of capture (a deep model on 4 of its layers, expanded) and of discovery (the rule database's
-hits and misses), and for every mesh the nodes before and after shrinking, ILP variables and
+hits and misses) with the count of nodes left without a rule, and for every mesh the nodes before and after shrinking, ILP variables and
 constraints, problem build, ILP build and solve seconds, the MIP gap, the end-to-end total, and
 the estimated step time of the plan next to data parallel, ZeRO-2, ZeRO-3 and Megatron TP, all
 priced by the same cost model. Seconds are wall-clock with the process's CPU seconds next to
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import time
 from typing import Any
 
@@ -132,17 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         graph, rules, timings = capture(model, args.rules_db)
         phases = ", ".join(f"{phase} {wall:.2f} s (CPU {cpu:.2f} s)" for phase, (wall, cpu) in timings.items())
-        console.print(f"{model}: {len(graph.nodes)} nodes; {phases}")
+        unruled = len(getattr(rules, "missing", {}))
+        console.print(f"{model}: {len(graph.nodes)} nodes, {unruled} without a rule; {phases}")
         budget = None if args.memory_gb is None else args.memory_gb * 1e9
         rows = [bench_one(graph, rules, Mesh.parse(text), args.cluster, args.time_limit, not args.no_baselines, budget)
                 for text in args.meshes.split(",")]
         for row in rows:
             row["front_s"] = {phase: list(seconds) for phase, seconds in timings.items()}
+            row["nodes_without_rule"] = unruled
+            row["load_average_1min"] = os.getloadavg()[0]  # on a shared machine, wall seconds stretch with it
         print_rows(console, model, rows)
         results[model] = rows
     if args.json:
+        command = "python -m metadist.bench.solver_bench " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
+            json.dump({"command": command, "cpu_count": os.cpu_count(), "models": results}, handle, indent=1)
     return 0
 
 

@@ -191,7 +191,10 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
     enter("reference run", quiet=not config.check)
-    reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy) if config.check else None
+    reference = None
+    if config.check:  # the step as captured above (with its gradients) runs on one device, unless a GradScaler needs its own
+        reused = torch_step if compare_grads and torch_step.scaler is None else None
+        reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy, reused)
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
@@ -300,11 +303,12 @@ def _load_workload(config: WorkerConfig):
     return load_workload(config.model)
 
 
-def _reference(config: WorkerConfig, workload, train_step, policy):
+def _reference(config: WorkerConfig, workload, train_step, policy, captured=None):
     from .check import reference_run
 
     return reference_run(train_step, workload.model, workload.optimizer, workload.batch, steps=config.steps, seed=config.seed,
-                         init_seed=config.init_seed, precision=policy, expert_capacity_factor=config.expert_capacity_factor)
+                         init_seed=config.init_seed, precision=policy, expert_capacity_factor=config.expert_capacity_factor,
+                         captured=captured)
 
 
 def _policy(config: WorkerConfig):

@@ -167,7 +167,7 @@ class _progress:
 
 #: Bumped whenever discovery changes what it accepts (new soundness checks, new derived rules), so
 #: that rules found by an older discovery are not served from the database: they are found again.
-DISCOVERY_VERSION = 8
+DISCOVERY_VERSION = 9
 """3: affine factors (``addmm``'s ``k`` with the bias ``Partial(sum)``); 4: halo factors of windowed ops;
 5: attention (SDPA) ops: shape validation, their own stand-ins, proportional (grouped-query) heads
 factors, GPU kernels by equivalence; ops that crash or hang in the isolated worker get a reason;
@@ -175,7 +175,9 @@ factors, GPU kernels by equivalence; ops that crash or hang in the isolated work
 7: ops with scalar float inputs get one more draw with scalars above 1 (``lerp.Tensor``'s max/min pass
 of its start held only for weights below 1); 8: a partial pass is judged in the coarser of the output's and the
 partial input's dtype (a bfloat16 gradient's float32 cast passes Partial(sum): its reduction may run in float32), and
-the torch executor draws 0-d bfloat16/float16 inputs (they failed as numpy scalars: those ops had no rule)."""
+the torch executor draws 0-d bfloat16/float16 inputs (they failed as numpy scalars: those ops had no rule);
+9: stand-in shapes keep the dims whose real sizes the op's arguments refer to (``executor.kept_dims``: RoPE's
+slices of the head dim and their ``slice_backward`` had no rule at stand-in shapes)."""
 
 
 def _version_key(executor: OpExecutor) -> str:

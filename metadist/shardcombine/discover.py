@@ -3,7 +3,8 @@
 For one op call, :func:`discover`
 
 1. picks shapes to run on: small stand-in shapes (:mod:`.shapes`) where the
-   executor can express the op on them, else the real shapes when they are small;
+   executor can express the op on them (dims whose real sizes the op's arguments
+   refer to, :func:`.executor.kept_dims`, keep them), else the real shapes when they are small;
 2. draws seeded inputs (several draws) and runs the op on the whole inputs; an op
    whose two runs on the same inputs differ, or whose outputs are not finite, has
    no rule (a reason says why);
@@ -48,9 +49,9 @@ import numpy as np
 from ..ir.rule import Combine, Concat, Factor, Identity, PartialPass, Reduce, Rule
 from . import attention
 from .combine import check_combine, close, coarser_dtype, infer_combine, tolerance_for
-from .executor import ExecutionRefused, OpCall, OpExecutor
+from .executor import ExecutionRefused, OpCall, OpExecutor, kept_dims
 from .halo import halo_factor
-from .shapes import piece_sizes, standin_reshape, standin_shapes
+from .shapes import piece_sizes, standin_reshape, standin_shapes, standin_shapes_keeping
 from .signature import HALO_OPS, op_name
 
 __all__ = ["DiscoveryConfig", "NoRule", "discover", "candidate_factors", "random_op_rule", "is_random_like"]
@@ -230,7 +231,7 @@ def prune_dominated(factors: Sequence[Factor]) -> list[Factor]:
 # ----------------------------------------------------------------- preparing the draws
 
 
-def _shape_options(call: OpCall, shapes, config: DiscoveryConfig) -> list[tuple[str, tuple]]:
+def _shape_options(call: OpCall, executor: OpExecutor, shapes, config: DiscoveryConfig) -> list[tuple[str, tuple]]:
     if shapes is not None:
         return [("given", tuple(tuple(s) for s in shapes))]
     real = call.input_shapes
@@ -240,6 +241,8 @@ def _shape_options(call: OpCall, shapes, config: DiscoveryConfig) -> list[tuple[
             raise NoRule(f"not valid attention shapes: {attention.shape_error(call)}")
     elif op_name(call.target) in RESHAPE_OPS and call.node.outputs[0] is not None:
         standin = (standin_reshape(real[0], call.node.outputs[0].spec.shape),) + standin_shapes(real[1:])
+    elif any(kept := kept_dims(executor, call)):
+        standin = standin_shapes_keeping(real, kept)
     else:
         standin = standin_shapes(real)
     options = [("stand-in", standin)]
@@ -250,7 +253,7 @@ def _shape_options(call: OpCall, shapes, config: DiscoveryConfig) -> list[tuple[
 
 def _prepare(call: OpCall, executor: OpExecutor, shapes, config: DiscoveryConfig) -> tuple[OpCall, list[_Draw]]:
     errors = []
-    for label, option in _shape_options(call, shapes, config):
+    for label, option in _shape_options(call, executor, shapes, config):
         try:
             work = executor.adapt(call, option) if option != call.input_shapes else call
             draws = [_draw(work, executor, seed, position, config) for position, seed in enumerate(config.seeds)]

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..ir import Graph, Node, TensorSpec
 
-__all__ = ["ExecutionRefused", "OpCall", "OpExecutor", "op_call"]
+__all__ = ["ExecutionRefused", "OpCall", "OpExecutor", "kept_dims", "op_call"]
 
 
 class ExecutionRefused(RuntimeError):
@@ -66,6 +66,8 @@ class OpExecutor(Protocol):
     Optionally, an executor may define ``session()``, a context manager that
     discovery enters around each op's many small runs (the PyTorch executor
     runs kernels single-threaded there: several times faster for tiny shapes).
+    It may also define ``kept_dims(call)`` (see :func:`kept_dims`): the input dims whose real
+    sizes the op's arguments refer to, which stand-in shapes then keep.
     """
 
     framework: str
@@ -99,3 +101,18 @@ class OpExecutor(Protocol):
         range; other integers small and mixed; bools mixed.
         """
         ...
+
+
+def kept_dims(executor: OpExecutor, call: OpCall) -> tuple[tuple[int, ...], ...]:
+    """Per tensor input, the dims whose real sizes the op's arguments refer to (empty: every dim may shrink).
+
+    A slice ``[0:64]`` of a dim of 128 means something else on a dim of 18, and no rewrite of its
+    bounds keeps the meaning; stand-in and fresh shapes keep such dims at their real size instead
+    (:func:`metadist.shardcombine.shapes.standin_shapes_keeping`). Executors without the optional
+    ``kept_dims`` method keep none.
+    """
+    method = getattr(executor, "kept_dims", None)
+    kept = tuple(tuple(dims) for dims in method(call)) if method is not None else ()
+    if kept and len(kept) != len(call.input_specs):
+        raise ValueError(f"{type(executor).__name__}.kept_dims gave {len(kept)} entries for {len(call.input_specs)} inputs")
+    return kept or tuple(() for _ in call.input_specs)

@@ -16,8 +16,9 @@ import numpy as np
 
 from ..ir import Concat, Factor, Identity, PartialPass, Reduce, Rule
 from .discover import UNINITIALIZED_OPS
-from .executor import ExecutionRefused, OpCall, OpExecutor
+from .executor import ExecutionRefused, OpCall, OpExecutor, kept_dims
 from .oracle_report import ExecutionCheck, factor_strategy
+from .shapes import standin_shapes_keeping
 from .signature import op_name
 
 __all__ = ["FRESH_SIZES", "RECHECK_RTOL", "TINY_SCALE", "check_rule_by_execution"]
@@ -122,7 +123,12 @@ def _labels(rule: Rule) -> list[str]:
     ]
 
 
-def _fresh_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...] | None:
+def _fresh_shapes(shapes: Sequence[tuple[int, ...]], kept: Sequence[Sequence[int]] = ()) -> tuple[tuple[int, ...], ...] | None:
+    if any(kept):  # dims whose real sizes the op's arguments refer to keep them (RoPE's slices of the head dim)
+        try:
+            return standin_shapes_keeping(shapes, kept, FRESH_SIZES)
+        except ValueError:
+            return None
     distinct = sorted({size for shape in shapes for size in shape if size > 1})
     if len(distinct) > len(FRESH_SIZES):
         return None
@@ -132,7 +138,7 @@ def _fresh_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], .
 
 def _fresh_draw(call: OpCall, executor: OpExecutor, rng: np.random.Generator, scale: float) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
     errors = []
-    for shapes in (_fresh_shapes(call.input_shapes), call.input_shapes):
+    for shapes in (_fresh_shapes(call.input_shapes, kept_dims(executor, call)), call.input_shapes):
         if shapes is None:
             continue
         try:

@@ -113,6 +113,36 @@ def standin_shapes(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
     return tuple(tuple(mapping[size] for size in shape) for shape in shapes)
 
 
+def standin_shapes_keeping(shapes: Sequence[Shape], kept: Sequence[Sequence[int]],
+                           sizes: Sequence[int] = STANDIN_SIZES) -> tuple[Shape, ...]:
+    """Small shapes as :func:`standin_shapes` gives, except that the sizes of the ``kept`` dims stay real.
+
+    ``kept[i]`` lists the dims of input ``i`` whose real sizes the op's arguments refer to. Every
+    dim of a kept size keeps it (equal sizes stay equal); the other sizes take ``sizes`` in order
+    (then further multiples of 6), skipping the kept ones, so they stay distinct from each other
+    and from the kept sizes, and in order among themselves. Their order relative to a kept size
+    is not kept: LLaMA-70B's ``[1024, 64, 4096, 128]`` sliced on its head dim becomes
+    ``[12, 6, 18, 128]`` (keeping 1024 and 4096 above 128 would take 14M elements, a minute and
+    a half of discovery); the op refers to the kept size only, and the re-check
+    (:mod:`.recheck`) runs the rule again on other sizes.
+    """
+    keep = {shape[dim] for shape, dims in zip(shapes, kept) for dim in dims if shape[dim] > 1}
+    distinct = sorted({size for shape in shapes for size in shape if size > 1} - keep)
+    if len(distinct) > len(sizes):
+        raise ValueError(f"{len(distinct)} distinct sizes; stand-in shapes support {len(sizes)} besides the kept ones")
+    mapping: dict[int, int] = {0: 0, 1: 1, **{size: size for size in keep}}
+    pool = [size for size in sizes if size not in keep]
+    extra = max(sizes)
+    for size in distinct:
+        if not pool:
+            extra += 6
+            while extra in keep:
+                extra += 6
+            pool.append(extra)
+        mapping[size] = pool.pop(0)
+    return tuple(tuple(mapping[size] for size in shape) for shape in shapes)
+
+
 def standin_reshape(in_shape: Shape, out_shape: Shape) -> Shape:
     """A small input shape for a reshape that keeps its dim groups.
 

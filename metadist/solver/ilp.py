@@ -36,8 +36,9 @@ to explain an infeasible budget.
 Solving: the LP relaxation first. An integral optimum of it is optimal for the ILP. Otherwise its
 fractional classes are rounded and improved by local search (:mod:`.local_search`); the relaxation's
 optimum bounds every plan from below, so the result's gap to it is exact, and the result is kept
-when that gap is at most :data:`ACCEPTED_ROUNDING_GAP` (branch and bound on LLaMA-7B's 8x8 problem
-takes 10-30 s on a laptop core to close a gap under 1 %, which the cost model's own error dwarfs).
+when that gap is at most :data:`ACCEPTED_ROUNDING_GAP` (5 %, which the cost model's own error dwarfs:
+on LLaMA-7B's 8x8 problem with its RoPE rules the rounded plan is 3.2 % above the bound, and branch
+and bound explored no node in 60 s of one core, its root LP with presolve alone outlasting that).
 Otherwise branch and bound runs from the rounded plan within the time limit.
 """
 
@@ -66,7 +67,7 @@ INTEGRALITY_TOLERANCE = 1e-6
 """How far from 0 or 1 a relaxed strategy variable may be and still count as integral."""
 MEMORY_SCALE = 1e-6
 """Memory rows are in megabytes (bytes times this) to keep coefficients well scaled."""
-ACCEPTED_ROUNDING_GAP = 0.01
+ACCEPTED_ROUNDING_GAP = 0.05
 """A rounded relaxation is kept when its objective is within this fraction of the relaxation's bound."""
 MEMORY_MARGIN_BYTES = 64.0
 """Taken off the budget in the memory rows: HiGHS accepts rows a feasibility tolerance (a few bytes

@@ -134,6 +134,17 @@ class TorchExecutor:
         return arrays
 
     # ------------------------------------------------------------- shapes
+    def kept_dims(self, call: OpCall) -> tuple[tuple[int, ...], ...]:
+        """Per input, the dims whose real sizes the op's arguments refer to (see :func:`~metadist.shardcombine.executor.kept_dims`).
+
+        A slice that is not the whole dim (RoPE's halves of the head dim) and ``slice_backward`` along
+        its sliced dim: no rewrite of their bounds keeps their meaning on another size (:meth:`adapt`
+        refuses it), so stand-in shapes keep that dim's size.
+        """
+        kept = _KEPT.get(op_name(call.target))
+        dims = kept(list(call.node.args), call.input_shapes) if kept is not None else None
+        return tuple(() for _ in call.input_specs) if dims is None else tuple(dims)
+
     def adapt(self, call: OpCall, shapes: Sequence[tuple[int, ...]]) -> OpCall:
         shapes = tuple(tuple(s) for s in shapes)
         if shapes == call.input_shapes:
@@ -327,6 +338,17 @@ def _rewrite_slice(args: list, old: Shapes, new: Shapes) -> None:
     args[3] = new[0][dim]
 
 
+def _kept_slice(args: list, shapes: Shapes) -> tuple[tuple[int, ...], ...] | None:
+    dim = (args[1] if len(args) > 1 else 0) % len(shapes[0])
+    start, end, step = (list(args[2:5]) + [None, None, None])[:3]
+    whole = (start or 0) == 0 and (step or 1) == 1 and (end is None or end >= shapes[0][dim])
+    return None if whole else ((dim,),)
+
+
+def _kept_slice_backward(args: list, shapes: Shapes) -> tuple[tuple[int, ...], ...] | None:
+    return ((args[2] % len(shapes[0]),),)
+
+
 def _rewrite_split(args: list, old: Shapes, new: Shapes) -> None:
     dim = (args[2] if len(args) > 2 else 0) % len(old[0])
     if old[0][dim] == new[0][dim]:
@@ -386,4 +408,10 @@ _REWRITES: dict[str, Callable[[list, Shapes, Shapes], None]] = {
     "aten.native_layer_norm": _normalized_shape(1, 0),
     "aten.native_layer_norm_backward": _normalized_shape(2, 1),
     "aten.convolution_backward": _rewrite_conv_backward,
+}
+
+#: Ops whose arguments refer to the real size of some input dims: which dims (see :meth:`TorchExecutor.kept_dims`).
+_KEPT: dict[str, Callable[[list, Shapes], tuple[tuple[int, ...], ...] | None]] = {
+    "aten.slice": _kept_slice,
+    "aten.slice_backward": _kept_slice_backward,
 }
