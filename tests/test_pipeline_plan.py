@@ -110,6 +110,8 @@ def test_balanced_cuts_minimise_the_slowest_stage():
     assert balanced_cuts([1, 1, 1, 1, 1, 1], [0] * 5, 3) == (1, 3)
     # an expensive crossing moves the cut to a cheap one when the balance allows
     assert balanced_cuts([1, 1, 1, 1], [0, 5, 0], 2) in ((0,), (2,))
+    # each stage pays its own sends: the activation up at its end, the gradient down at its start
+    assert balanced_cuts([1] * 6, [1] * 5, 2) == (2,)
 
 
 def test_search_chooses_and_explains(rules_db):

@@ -111,8 +111,10 @@ def balanced_cuts(
     """Indices (into the candidates) of the ``stages - 1`` cuts that minimise the slowest stage.
 
     ``segment_seconds[k]``: seconds of segment ``k`` (``len(candidates) + 1`` segments);
-    ``crossing_seconds[k]``: seconds to send the activation crossing candidate ``k`` (after segment ``k``).
-    A stage's seconds are its segments' plus the transfer of the activation crossing its end.
+    ``crossing_seconds[k]``: seconds to send, one way, the value crossing candidate ``k`` (after segment ``k``).
+    A stage's seconds are its segments' plus what it sends: the activation crossing its end (up to the next
+    stage) and the gradient of the one crossing its start (down to the previous stage), as
+    :func:`.planner.pipeline_estimate` charges them.
     """
     segments = len(segment_seconds)
     if stages > segments:
@@ -122,8 +124,9 @@ def balanced_cuts(
         prefix.append(prefix[-1] + seconds)
 
     def stage_cost(first: int, last: int) -> float:  # segments first..last inclusive
-        send = crossing_seconds[last] if last < segments - 1 else 0.0
-        return prefix[last + 1] - prefix[first] + send
+        up = crossing_seconds[last] if last < segments - 1 else 0.0
+        down = crossing_seconds[first - 1] if first > 0 else 0.0
+        return prefix[last + 1] - prefix[first] + up + down
 
     infinity = float("inf")
     # best[s][k]: (slowest stage, total crossing) of s+1 stages covering segments 0..k; choice[s][k]: first segment of the last

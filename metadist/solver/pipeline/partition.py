@@ -35,8 +35,9 @@ def partition(graph: Graph, regions: Regions, stages: int, cluster: Cluster, pp_
     candidates = cut_candidates(graph, regions) if candidates is None else candidates
     check_stage_count(candidates, stages)
     segments = segment_seconds(graph, regions, candidates, cluster, microbatches)
-    crossing = [2 * microbatches * (pp_link.call_overhead_s + pp_link.latency_s + nbytes / pp_link.bandwidth_bytes_per_s)
-                for nbytes in candidates.crossing_bytes]  # the activation up, its gradient down
+    crossing = [microbatches * (pp_link.call_overhead_s + pp_link.latency_s + nbytes / pp_link.bandwidth_bytes_per_s)
+                for nbytes in candidates.crossing_bytes]  # one way: the activation up (the stage below sends it), its
+    # gradient down (the stage above sends it)
     chosen = balanced_cuts(segments, crossing, stages)
     positions = tuple(candidates.positions[index] for index in chosen)
     placement = place_nodes(graph, regions, stage_of_forward(regions, positions), stages)
