@@ -119,10 +119,11 @@ def _passed(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.distributed
-def test_llama_pp2_1f1b_matches_one_device():
+def test_llama_pp2_1f1b_built_on_meta_matches_one_device():
     text = _passed(run_metadist("llama-tiny", "--nproc", "2", "--mesh", "pp=2", "--steps", "2", "--check",
-                                "--schedule", "1f1b", "--timeout-s", "120"))
+                                "--schedule", "1f1b", "--meta-init", "--timeout-s", "120"))
     assert "2 stages on 2 (pp)" in text and "schedule 1f1b" in text and "step 1: loss" in text
+    assert "meta-device model is materialised whole" in text
 
 
 @pytest.mark.distributed

@@ -38,7 +38,6 @@ def refuse_unsupported(config: Any) -> None:
         ("--precision/--reduce-dtype", config.precision is not None or config.reduce_dtype not in ("default", None)),
         ("--expert-capacity-factor", config.expert_capacity_factor is not None),
         ("--compile", config.compile_backend is not None), ("--check-shapes", config.check_shapes),
-        ("--meta-init", config.device == "meta"),
         ("--plan " + str(config.plan), config.plan != "solver"),
     ) if on]
     if unsupported:
@@ -48,6 +47,7 @@ def refuse_unsupported(config: Any) -> None:
 
 def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any = None) -> int:
     from ..frontends.torch import capture_step
+    from ..frontends.torch.materialize import has_meta_tensors, materialize
     from ..frontends.torch.microbatch import batch_size_of, first_microbatch
     from ..progress import enter
     from .pipeline import PipelineStep
@@ -59,6 +59,10 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     device_mesh = setup_device_mesh(pipeline_device_mesh(config.mesh), env, timeout_s=config.timeout_s)
     enter("load")
     workload = _load_workload(config)
+    if has_meta_tensors(workload.model):  # the values one device gets (the reference's too), whole on every rank
+        materialize(workload.model, seed=config.init_seed)
+        reporter.note(f"pipeline: the meta-device model is materialised whole on every rank (seed {config.init_seed}, the "
+                      "values one device gets); each stage then runs on its own shards, but the whole model stays")
     optimizer = workload.optimizer(workload.model.parameters())
     policy = _policy(config)
     reporter.note(_one_start(workload, optimizer, device_mesh).describe())
