@@ -73,6 +73,19 @@ def test_expanded_graph_equals_the_whole_capture(caplog):
     assert len(model.blocks) == 6 and len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
 
 
+def test_expanded_graph_with_raw_gradients_equals_the_whole_capture(caplog):
+    """What a pipeline plans from: the step on one microbatch with each gradient as autograd accumulated it."""
+    from metadist.frontends.torch.capture import loss_divisor_of
+
+    model, optimizer, batch = _inputs(6)
+    with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
+        expanded = capture_repeated(step, model, optimizer, batch, name="deep", min_layers=5, raw_grads=True)
+    assert "on 4 of its 6 layers" in caplog.text
+    whole = capture_step(step, model, optimizer, batch, name="deep", raw_grads=True)
+    assert expanded == whole.graph
+    assert whole.loss_divisor is not None and loss_divisor_of(expanded) == whole.loss_divisor
+
+
 def test_a_layer_that_behaves_differently_is_caught_and_captured_whole(caplog):
     model, optimizer, batch = _inputs(6, odd_layer=2)  # layer 2 doubles its branch: the self-check sees it
     with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):

@@ -315,11 +315,11 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
         scaler=scaler,
         scaler_settings=scaler_settings(scaler) if scaler is not None else (),
         watched_grad_elements=traced.watched_grad_elements,
-        loss_divisor=_loss_divisor(graph),
+        loss_divisor=loss_divisor_of(graph),
     )
 
 
-def _loss_divisor(graph: Graph) -> str | None:
+def loss_divisor_of(graph: Graph) -> str | None:
     """The total weight a mean cross-entropy loss output is divided by (see :attr:`TorchStep.loss_divisor`), or None."""
     losses = graph.outputs_by_role(Role.LOSS)
     if len(losses) != 1:

@@ -55,14 +55,16 @@ class MicrobatchGraphs:
         key = (microbatches, raw_grads)
         if key not in self._cache:
             from ...shardcombine.api import rules_from_database
-            from .capture import capture_step
+            from .capture import loss_divisor_of
             from .discovery import TorchExecutor
+            from .repeat import capture_repeated
 
             workload = self.workload
             optimizer = workload.optimizer(workload.model.parameters())
-            step = capture_step(workload.train_step(), workload.model, optimizer,
-                                first_microbatch(workload.batch, microbatches), name=workload.name or "step",
-                                raw_grads=raw_grads)
-            rules = rules_from_database(step.graph, TorchExecutor(), self.rules_db)
-            self._cache[key] = (step.graph, rules, step.loss_divisor)
+            # a deep model is captured on a few of its layers and expanded: the graph equals the whole capture's
+            graph = capture_repeated(workload.train_step(), workload.model, optimizer,
+                                     first_microbatch(workload.batch, microbatches), name=workload.name or "step",
+                                     raw_grads=raw_grads)
+            rules = rules_from_database(graph, TorchExecutor(), self.rules_db)
+            self._cache[key] = (graph, rules, loss_divisor_of(graph))
         return self._cache[key]

@@ -160,13 +160,14 @@ def _capture_cut(train_step: Callable, model, optimizer, batch, layers: Repeated
 
 def capture_repeated(train_step: Callable, model: torch.nn.Module, optimizer: Any, batch: Any, *, name: str = "step",
                      keep_grads: bool = False, min_layers: int = MIN_LAYERS_TO_EXPAND,
-                     expert_capacity_factor: float | None = None, precision: Any = None) -> Graph:
+                     expert_capacity_factor: float | None = None, precision: Any = None, raw_grads: bool = False) -> Graph:
     """The step's graph: expanded from 4 captured layers where the model repeats ``min_layers`` or more, else captured whole.
 
     The graph equals the whole capture's (same names, same fingerprint), so a plan made from it runs the
     whole capture; see the module docstring for the checks.
     """
-    options = dict(name=name, keep_grads=keep_grads, expert_capacity_factor=expert_capacity_factor, precision=precision)
+    options = dict(name=name, keep_grads=keep_grads, expert_capacity_factor=expert_capacity_factor, precision=precision,
+                   raw_grads=raw_grads)
     layers = find_repeated_layers(model)
     if layers is None or layers.count < max(min_layers, CAPTURED_LAYERS + 1):
         return capture_step(train_step, model, optimizer, batch, **options).graph
