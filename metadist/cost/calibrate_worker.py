@@ -1,8 +1,10 @@
 """One rank of ``metadist calibrate`` (launched by torchrun; the only torch code under ``cost``).
 
 Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each mesh axis's
-process groups for several message sizes (gloo on CPU, NCCL with CUDA); rank 0 also times a
-matmul and a copy for the device's roofline, and writes the measurements as JSON.
+process groups for several message sizes (gloo on CPU, NCCL with CUDA). Then every rank, all at
+once (as they compute in a training step, sharing the machine's cores), times float32 matmuls
+(FLOP/s), a memory-bound elementwise add (bytes/s) and a stream of tiny ops (the fixed cost of one
+op); the slowest rank's figures are kept. Rank 0 writes the measurements as JSON.
 Usage: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 metadist.cost.calibrate_worker --mesh 2x2 --out FILE``.
 """
@@ -71,20 +73,61 @@ def _time(op: str, nbytes: int, group, size: int, device: torch.device, repeats:
     return float(seconds.item())
 
 
+def _rate(work: float, run, repeats: int) -> float:
+    """``work`` units per second of ``run()``: the median of ``repeats`` timed calls after one warm-up."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return work / statistics.median(samples)
+
+
 def _roofline(device: torch.device) -> dict[str, float]:
-    n = 1024
+    """This rank's matmul FLOP/s, elementwise bytes/s and fixed seconds per op (run on every rank at once)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 512
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    a @ b
-    started = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    flops = 5 * 2 * n**3 / (time.perf_counter() - started)
-    big = torch.empty(16 * 2**20, device=device)
-    started = time.perf_counter()
-    for _ in range(5):
-        big.clone()
-    bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - started)
-    return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth}
+
+    def matmuls() -> None:
+        for _ in range(4):
+            a @ b
+        sync()
+
+    flops = _rate(4 * 2 * n**3, matmuls, 3)
+    x, y = torch.randn(1 << 20, device=device), torch.randn(1 << 20, device=device)
+    out = torch.empty_like(x)
+
+    def adds() -> None:
+        for _ in range(8):
+            torch.add(x, y, out=out)
+        sync()
+
+    bandwidth = _rate(8 * 3 * x.numel() * 4, adds, 3)  # two reads and one write per element
+    tiny = torch.ones(8, device=device)
+    add = torch.ops.aten.add.Tensor  # as a captured step's GraphModule calls its ops
+
+    def tiny_ops() -> None:
+        for _ in range(400):
+            add(tiny, tiny)
+        sync()
+
+    overhead = 1.0 / _rate(400, tiny_ops, 3)
+    return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": overhead}
+
+
+def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's figures -> the slowest rank's (lowest rates, highest overhead)."""
+    keys = sorted(figures)
+    sign = [1.0 if key in _SECONDS else -1.0 for key in keys]
+    values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
+
+
+_SECONDS = frozenset({"op_overhead_s"})
+"""Figures that are times (the slowest rank has the largest); the others are rates (the smallest)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,9 +152,11 @@ def main(argv: list[str] | None = None) -> None:
                     unsupported.append({"axis": axis, "op": op, "reason": str(err).splitlines()[0][:200]})
                     break
                 measurements.append({"axis": axis, "op": op, "bytes": nbytes, "seconds": seconds})
+    dist.barrier()
+    roofline = _slowest(_roofline(device), device)
     if dist.get_rank() == 0:
         report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "mesh": shape,
-                  "device": _roofline(device), "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                  "device": roofline, "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                   "memory_capacity_bytes": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
                   "measurements": measurements, "unsupported": unsupported}
         with open(args.out, "w") as handle:
