@@ -4,7 +4,7 @@ For every axis, each measurement of a collective on ``n`` devices moving a local
 ``B`` bytes gives one equation of the ring model used by :mod:`.comm`:
 ``seconds = call_overhead + steps * alpha + sent_bytes / bandwidth`` (``steps`` and
 ``sent_bytes`` as in :func:`.comm.collective_seconds`). The three are fitted by least squares
-over all sizes and collectives of that axis (minimum norm where one axis size cannot tell
+of the relative error over all sizes and collectives of that axis (minimum norm where one axis size cannot tell
 the overhead from alpha), and clipped to stay physical. On gloo a reduce-scatter is an all-reduce
 of its input (:attr:`.cluster.Link.reduce_scatter_as_all_reduce`) and is fitted as one.
 
@@ -66,10 +66,36 @@ def fit_link(measurements: list[Mapping[str, Any]], axis_size: int, name: str, r
 
     rows = [[1.0, _STEPS[wire(m["op"])] * (axis_size - 1), _sent_bytes(wire(m["op"]), m["bytes"], axis_size)] for m in measurements]
     seconds = np.array([m["seconds"] for m in measurements])
-    (overhead, alpha, beta), *_ = np.linalg.lstsq(np.array(rows), seconds, rcond=None)
+    weight = 1.0 / np.maximum(seconds, 1e-9)  # relative errors: small messages count as much as large ones
+    (overhead, alpha, beta), *_ = np.linalg.lstsq(np.array(rows) * weight[:, None], seconds * weight, rcond=None)
     beta = max(float(beta), 1e-15)
     return Link(bandwidth_bytes_per_s=1.0 / beta, latency_s=max(float(alpha), 0.0), call_overhead_s=max(float(overhead), 0.0), name=name,
-                reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce)
+                reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce, kind_costs=_kind_costs(measurements, axis_size, wire))
+
+
+def _kind_costs(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> tuple[tuple[str, float, float], ...]:
+    """Per wire kind with two sizes or more: (kind, fixed seconds, bandwidth) through its smallest and largest message.
+
+    The fixed cost is the smallest message's time (less its bytes' share), the bandwidth the largest message's bytes
+    over its time beyond that: the two points that decide small and large messages. A reduce-scatter run as an
+    all-reduce is one more measurement of the all-reduce (the faster at each size is kept).
+    """
+    by_kind: dict[str, list[tuple[float, float]]] = {}
+    for m in measurements:
+        kind = wire(m["op"])
+        by_kind.setdefault(kind, []).append((_sent_bytes(kind, m["bytes"], axis_size), m["seconds"]))
+    costs = []
+    for kind, rows in sorted(by_kind.items()):
+        best: dict[float, float] = {}
+        for sent, seconds in rows:
+            best[sent] = min(seconds, best.get(sent, seconds))
+        if len(best) < 2:
+            continue
+        (small, small_s), (large, large_s) = min(best.items()), max(best.items())
+        beta = max((large_s - small_s) / (large - small), 1e-15)
+        fixed = max(small_s - small * beta, 0.0)
+        costs.append((kind, fixed, 1.0 / beta))
+    return tuple(costs)
 
 
 def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:

@@ -39,10 +39,25 @@ class Link:
     reduce_scatter_as_all_reduce: bool = False
     """The backend carries out a reduce-scatter as an all-reduce of the whole input, then keeps its piece (gloo):
     it sends, and takes the time of, an all-reduce."""
+    kind_costs: tuple[tuple[str, float, float], ...] = ()
+    """Measured (collective kind, fixed seconds per call, bandwidth) of kinds whose algorithm the backend runs at its
+    own speed (gloo's all-gather is several times slower per byte than its all-reduce); a kind listed here is priced
+    ``fixed + sent / bandwidth`` instead of the alpha-beta figures above. Empty for the presets."""
 
     def __post_init__(self) -> None:
+        costs = tuple(sorted((str(kind), float(fixed), float(bandwidth)) for kind, fixed, bandwidth in self.kind_costs))
+        object.__setattr__(self, "kind_costs", costs)
+        if any(fixed < 0 or bandwidth <= 0 for _, fixed, bandwidth in costs):
+            raise ClusterError(f"a link's per-kind costs need fixed seconds >= 0 and bandwidth > 0, got {costs}")
         if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0:
             raise ClusterError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+    def kind_cost(self, kind: str) -> tuple[float, float] | None:
+        """(fixed seconds, bandwidth) measured for collectives of ``kind``; None when it follows the alpha-beta figures."""
+        for name, fixed, bandwidth in self.kind_costs:
+            if name == kind:
+                return fixed, bandwidth
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,10 @@ On a link whose backend carries out a reduce-scatter as an all-reduce of the who
 (gloo: :attr:`.cluster.Link.reduce_scatter_as_all_reduce`), a reduce-scatter is priced, and its
 bytes counted, as that all-reduce: ``2 (n-1) alpha + 2 (n-1)/n B / bw``.
 
+A calibrated link may carry measured per-kind costs (:attr:`.cluster.Link.kind_costs`: gloo's
+all-gather is several times slower per byte than its all-reduce); such a kind is priced
+``fixed + sent / bandwidth`` with its own figures.
+
 A collective the runtime runs in a bucket with others (:mod:`.bucketing`) pays only
 ``fixed_share`` of its fixed cost (the ``alpha`` terms and ``call_overhead_s``); the
 bandwidth term is paid in full. All-to-alls are never bucketed.
@@ -83,9 +87,8 @@ def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Lin
     n = axis_size
     if n <= 1:
         return 0.0, 0.0
-    steps, sent = _ring(wire_kind(kind, link), buffer_bytes, n)
-    share = 1.0 if kind == "all_to_all" else fixed_share
-    return share * (link.call_overhead_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
+    _, ring_bytes = _ring(kind, buffer_bytes, n)
+    return priced_collective(kind, ring_bytes, n, link, fixed_share)
 
 
 def wire_kind(kind: str, link: Link) -> str:
@@ -137,8 +140,12 @@ def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, 
         return 0.0, 0.0
     wire = wire_kind(kind, link)
     sent = 2 * ring_bytes if wire != kind else ring_bytes
-    steps = 2 * (n - 1) if wire == "all_reduce" else n - 1
     share = 1.0 if kind == "all_to_all" else fixed_share
+    measured = link.kind_cost(wire)
+    if measured is not None:
+        fixed, bandwidth = measured
+        return share * fixed + sent / bandwidth, sent
+    steps = 2 * (n - 1) if wire == "all_reduce" else n - 1
     return share * (link.call_overhead_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
 
 
