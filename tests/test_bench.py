@@ -118,3 +118,20 @@ def test_report_writes_page_and_plots(tmp_path):
     assert "CPUs: 2" in page and "make bench" in page
     for name in ("step_time.png", "memory.png", "compile_time.png", "predicted_vs_measured.png"):
         assert (tmp_path / "docs" / "img" / name).stat().st_size > 0
+
+
+def test_never_lose_states_each_ratio_and_why_it_loses():
+    from dataclasses import replace
+
+    from metadist.bench.report import never_lose_lines, run_order
+
+    run = _fixture_run()
+    (line,) = never_lose_lines([run])
+    assert "metadist-ilp 4.00 ms / ddp 2.00 ms = **x2.00**; why:" in line
+    assert "not one of the solver's baselines" in line and "x4.0 its estimate" in line
+    fast = replace(run, methods=tuple(replace(m, step_times_s=(0.00204,) * 3) if m.method == "metadist-ilp" else m
+                                      for m in run.methods))
+    assert never_lose_lines([fast])[0].endswith("= **x1.02**")  # within 1.05: no reason needed
+    small = replace(run, model="gpt2-small", params=124_000_000)
+    big_tiny = replace(run, model="mixtral-mini", params=10_000_000)
+    assert [r.model for r in sorted([big_tiny, run, small], key=run_order)] == ["gpt2-small", "mixtral-mini", "fixture"]

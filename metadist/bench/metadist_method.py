@@ -204,4 +204,5 @@ def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:
         "comm_bytes": float(sum(estimate.get("comm_bytes_by_axis", {}).values())),
         "memory_bytes": number("memory_bytes_peak"),
         "collectives_by_kind": dict(estimate.get("collectives_by_kind", {})),
+        "cluster": str(estimate.get("cluster", "")),
     }

@@ -105,16 +105,28 @@ def _roofline(device: torch.device) -> dict[str, float]:
         sync()
 
     bandwidth = _rate(8 * 3 * x.numel() * 4, adds, 3)  # two reads and one write per element
+    chain = _tiny_op_chain(400)  # a GraphModule of aten ops, as a captured step's rank program runs them
     tiny = torch.ones(8, device=device)
-    add = torch.ops.aten.add.Tensor  # as a captured step's GraphModule calls its ops
 
     def tiny_ops() -> None:
-        for _ in range(400):
-            add(tiny, tiny)
+        chain(tiny)
         sync()
 
-    overhead = 1.0 / _rate(400, tiny_ops, 3)
+    overhead = 1.0 / _rate(400, tiny_ops, 5)
     return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": overhead}
+
+
+def _tiny_op_chain(length: int) -> torch.nn.Module:
+    """A ``torch.fx`` GraphModule of ``length`` dependent aten ops on its input (each op's fixed cost dominates)."""
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    value = graph.placeholder("x")
+    for index in range(length):
+        op = (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor)[index % 2]
+        value = graph.call_function(op, (value, value))
+    graph.output(value)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float]:
