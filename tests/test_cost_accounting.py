@@ -28,13 +28,11 @@ def test_estimated_bytes_are_the_rank_programs(preset, mesh):
     assert gloo == (preset == "cpu-gloo")
     plans = [plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))]
     plans += [baseline_plan(graph, rules, cluster, kind) for kind in ("dp", "zero2", "zero3")]
-    shared = 0
     for plan in plans:
         want = _program_bytes(graph, plan, gloo)
         got = plan.estimate["comm_bytes_by_axis"]
         for axis, nbytes in want.items():
             assert got[axis] == pytest.approx(nbytes, rel=1e-9, abs=1e-6), (plan.solver.get("kind"), axis)
-        shared += plan.solver.get("objective_s", plan.estimate["step_s"]) > plan.estimate["step_s"] * (1 + 1e-9)
     assert sum(sum(_program_bytes(graph, plan, gloo).values()) for plan in plans) > 0
 
 
