@@ -8,6 +8,12 @@ Environment variables:
 ``METADIST_CACHE_DIR``
     Folder for MetaDist's persistent caches (the rule database ``rules.sqlite``).
     Default: the user's cache folder, ``platformdirs.user_cache_dir("metadist")``.
+
+``METADIST_CPU_CLUSTER``
+    The cost model's cluster when a CPU run or benchmark names none: ``calibrated`` (default: this
+    machine as measured and cached by :func:`metadist.cost.calibrate.machine_cluster`), or a preset
+    name or cluster JSON file (the test suite sets ``cpu-gloo`` so that its plans do not depend on
+    the machine).
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["CACHE_DIR_ENV", "Settings", "settings_from_env"]
+__all__ = ["CACHE_DIR_ENV", "CPU_CLUSTER_ENV", "CALIBRATED", "Settings", "settings_from_env"]
 
 CACHE_DIR_ENV = "METADIST_CACHE_DIR"
 """The environment variable that overrides :attr:`Settings.cache_dir`."""
+CPU_CLUSTER_ENV = "METADIST_CPU_CLUSTER"
+"""The environment variable that overrides :attr:`Settings.cpu_cluster`."""
+CALIBRATED = "calibrated"
+"""``cpu_cluster`` value: this machine, calibrated on first use and cached."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +39,8 @@ class Settings:
 
     cache_dir: Path
     """Folder of the persistent caches; the rule database is ``cache_dir / "rules.sqlite"``."""
+    cpu_cluster: str = CALIBRATED
+    """The cost model's cluster for CPU runs that name none: ``calibrated``, a preset or a cluster JSON file."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
@@ -47,4 +59,4 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
         import platformdirs
 
         cache_dir = platformdirs.user_cache_dir("metadist")
-    return Settings(cache_dir=Path(cache_dir))
+    return Settings(cache_dir=Path(cache_dir), cpu_cluster=env.get(CPU_CLUSTER_ENV, "").strip() or CALIBRATED)

@@ -3,7 +3,9 @@
 The rule database of the whole session lives in a temporary folder
 (``METADIST_CACHE_DIR``, inherited by the processes tests launch), so tests
 never read or write the user's cache, and rules discovered by one test are
-reused by the next as they would be in real use.
+reused by the next as they would be in real use. CPU runs that name no cluster plan on the
+``cpu-gloo`` preset (``METADIST_CPU_CLUSTER``), not on this machine's calibration, so that the
+plans tests check do not depend on the machine (tests of the calibration set their own).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_rule_cache(tmp_path_factory: pytest.TempPathFactory):
-    previous = os.environ.get("METADIST_CACHE_DIR")
-    os.environ["METADIST_CACHE_DIR"] = str(tmp_path_factory.mktemp("metadist-cache"))
+    settings = {"METADIST_CACHE_DIR": str(tmp_path_factory.mktemp("metadist-cache")), "METADIST_CPU_CLUSTER": "cpu-gloo"}
+    previous = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     yield
-    if previous is None:
-        os.environ.pop("METADIST_CACHE_DIR", None)
-    else:
-        os.environ["METADIST_CACHE_DIR"] = previous
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -130,3 +130,20 @@ def test_the_planning_section_shows_each_phase_with_its_cpu_seconds_and_the_load
     assert "python -m metadist.bench.solver_bench --models llama-7b" in lines
     assert "| llama-7b | 8x8 | 14027 | 359 | 3.00 (2.10) | 5.30 (2.90) | 0.20 (0.20) | 2.50 | 0.10 | 1.90 | 7.00 (6.30) | 0.0325 " \
            "| LP relaxation | 7.4 |" in "\n".join(lines)
+
+
+def test_never_lose_states_each_ratio_and_why_it_loses():
+    from dataclasses import replace
+
+    from metadist.bench.report import never_lose_lines, run_order
+
+    run = _fixture_run()
+    (line,) = never_lose_lines([run])
+    assert "metadist-ilp 4.00 ms / ddp 2.00 ms = **x2.00**; why:" in line
+    assert "not one of the solver's baselines" in line and "x4.0 its estimate" in line
+    fast = replace(run, methods=tuple(replace(m, step_times_s=(0.00204,) * 3) if m.method == "metadist-ilp" else m
+                                      for m in run.methods))
+    assert never_lose_lines([fast])[0].endswith("= **x1.02**")  # within 1.05: no reason needed
+    small = replace(run, model="gpt2-small", params=124_000_000)
+    big_tiny = replace(run, model="mixtral-mini", params=10_000_000)
+    assert [r.model for r in sorted([big_tiny, run, small], key=run_order)] == ["gpt2-small", "mixtral-mini", "fixture"]

@@ -57,12 +57,13 @@ def test_each_transition_uses_the_right_ring_collective(src, dst, kind, sent_byt
     assert moves[0].comm_s > sent_bytes / link.bandwidth_bytes_per_s
 
 
-def test_slicing_a_replicated_value_is_free_and_shrinking_goes_first():
+def test_slicing_a_replicated_value_is_free_and_steps_follow_the_lowering():
     cluster = cluster_for("h100-ib", Mesh((2, 8)))
     assert reshard(SPEC, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster).comm_s == 0.0
     move = reshard(SPEC, (Partial(), Replicate()), (Replicate(), Shard(0)), cluster).collectives
     assert [m.kind for m in move] == ["all_reduce"]
-    assert move[0].comm_bytes == pytest.approx(2 * 1 / 2 * SPEC.nbytes / 8)  # after the free slice on axis 1
+    # the lowering reduces first, then slices (metadist.lowering.reshard's phases): the whole value is all-reduced
+    assert move[0].comm_bytes == pytest.approx(2 * 1 / 2 * SPEC.nbytes)
 
 
 def test_collective_seconds_follow_alpha_beta():
@@ -104,20 +105,44 @@ def test_liveness_categories_and_peaks():
     assert lives.peaks and max(lives.replicated_bytes_at_peaks) > 0
 
 
-def test_fit_link_recovers_alpha_and_beta():
-    truth_alpha, truth_bandwidth, overhead = 20e-6, 1e9, 0.0
+def _collective_rows(alpha: float, bandwidth: float, overhead: float, n: int, reduce_scatter_as_all_reduce: bool) -> list[dict]:
+    """Synthetic calibration rows of a ring backend (one that runs reduce-scatter as an all-reduce, as gloo does)."""
     rows = []
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        wire = "all_reduce" if op == "reduce_scatter" and reduce_scatter_as_all_reduce else op
         for nbytes in (4096, 65536, 1 << 20, 1 << 22):
-            steps = (2 if op == "all_reduce" else 1) * 3
-            sent = {"all_reduce": 2 * 3 / 4, "all_gather": 3}.get(op, 3 / 4) * nbytes
-            rows.append({"axis": 0, "op": op, "bytes": nbytes, "seconds": overhead + steps * truth_alpha + sent / truth_bandwidth})
-    link = fit_link(rows, 4, "test")
+            steps = (2 if wire == "all_reduce" else 1) * (n - 1)
+            sent = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1}.get(wire, (n - 1) / n) * nbytes
+            rows.append({"axis": 0, "op": op, "bytes": nbytes, "seconds": overhead + steps * alpha + sent / bandwidth})
+    return rows
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    truth_alpha, truth_bandwidth = 20e-6, 1e9
+    link = fit_link(_collective_rows(truth_alpha, truth_bandwidth, 0.0, 4, False), 4, "test")
     assert link.bandwidth_bytes_per_s == pytest.approx(truth_bandwidth, rel=1e-3)
     assert link.latency_s + link.call_overhead_s / 3 == pytest.approx(truth_alpha, rel=0.2)
-    report = {"backend": "gloo", "measurements": rows, "device": {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 1e10},
-              "memory_capacity_bytes": 1e9}
-    assert cluster_from_report(report, Mesh((4,))).link(0).bandwidth_bytes_per_s == pytest.approx(truth_bandwidth, rel=1e-3)
+    assert not link.reduce_scatter_as_all_reduce
+
+
+def test_gloo_fit_prices_reduce_scatter_as_all_reduce():
+    rows = _collective_rows(20e-6, 1e9, 300e-6, 4, True)
+    report = {"backend": "gloo", "measurements": rows, "memory_capacity_bytes": 1e9,
+              "device": {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 1e10, "op_overhead_s": 5e-6}}
+    cluster = cluster_from_report(report, Mesh((4,)))
+    link = cluster.link(0)
+    assert link.reduce_scatter_as_all_reduce and link.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-3)
+    assert cluster.device.op_overhead_s == 5e-6
+    # the fitted model prices each measured collective as measured, reduce-scatters included
+    for row in rows:
+        seconds, _ = collective_seconds(row["op"], row["bytes"], 4, link)
+        assert seconds == pytest.approx(row["seconds"], rel=1e-3)
+    rs_seconds, rs_bytes = collective_seconds("reduce_scatter", 1 << 20, 4, link)
+    ar_seconds, ar_bytes = collective_seconds("all_reduce", 1 << 20, 4, link)
+    assert (rs_seconds, rs_bytes) == (ar_seconds, ar_bytes) == (pytest.approx(ar_seconds), 1.5 * (1 << 20))
+    # a backend with a true ring reduce-scatter sends half that
+    ring = Link(bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    assert collective_seconds("reduce_scatter", 1 << 20, 4, ring)[1] == 0.75 * (1 << 20)
 
 
 def test_cost_solver_and_pipeline_planning_import_no_framework():

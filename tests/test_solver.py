@@ -108,10 +108,11 @@ def test_plans_are_deterministic_and_round_trip_through_json():
     assert json.loads(again.to_json()) == json.loads(first.to_json())
 
 
-def test_objective_equals_the_estimate_and_state_outputs_end_where_they_started():
+def test_objective_bounds_the_estimate_and_state_outputs_end_where_they_started():
     graph, rules = mlp_step(1024, 512, 2048, layers=2)
     plan = plan_graph(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))
-    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-9)
+    # the ILP prices every edge; the estimate prices a resharding shared by several readers once, as the runtime runs it
+    assert plan.solver["objective_s"] >= plan.estimate["step_s"] * (1 - 1e-9)
     for out, sharding in zip(graph.outputs, plan.output_shardings):
         if out.replaces:
             assert sharding == plan.input_shardings[out.replaces]

@@ -21,14 +21,16 @@ broadcast          the buffer
 =================  ==========================================
 
 On the wire a ring all-reduce sends ``2 (g-1)/g`` payloads per rank and the others ``(g-1)/g``.
-Note that gloo carries out a reduce-scatter as an all-reduce of the whole input: the counter
-names the collective the caller asked for.
+gloo carries out a reduce-scatter as an all-reduce of the whole input: the counter names the
+collective the caller asked for, and on gloo (``backend="gloo"``) counts its wire bytes as that
+all-reduce's, ``2 (g-1)/g`` payloads, which is what the rank sends (and what the cost model prices,
+:attr:`metadist.cost.cluster.Link.reduce_scatter_as_all_reduce`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,8 @@ class CollectiveCall:
     group_size: int = 0
     """Ranks in the collective's group: read from the shapes of gathers and scatters, else the
     caller's default (0: unknown)."""
+    reduce_scatter_as_all_reduce: bool = False
+    """The backend carries out a reduce-scatter as an all-reduce of its input (gloo)."""
 
     @property
     def wire_bytes(self) -> float | None:
@@ -97,7 +101,7 @@ class CollectiveCall:
             return None
         if n == 1:
             return 0.0
-        if self.kind == "all_reduce":
+        if self.kind == "all_reduce" or (self.kind == "reduce_scatter" and self.reduce_scatter_as_all_reduce):
             return 2 * (n - 1) / n * self.payload_bytes
         return (n - 1) / n * self.payload_bytes
 
@@ -179,19 +183,22 @@ def window(events: Sequence[TraceEvent], marker: str) -> tuple[int, int]:
     raise LookupError(f"no profiler region {marker!r} in the trace; regions present: {names}")
 
 
-def count_collectives(events: Sequence[TraceEvent], start_ns: int, end_ns: int, default_group_size: int = 0) -> CommCount:
+def count_collectives(events: Sequence[TraceEvent], start_ns: int, end_ns: int, default_group_size: int = 0,
+                      backend: str = "") -> CommCount:
     """The collectives whose c10d op started inside ``[start_ns, end_ns]``.
 
     ``default_group_size``: the group size of collectives whose shapes do not tell it (all-reduce,
     broadcast, all-to-all): the world size when every collective spans all ranks, else 0 (unknown).
+    ``backend``: the process group's backend (``gloo`` counts a reduce-scatter's wire bytes as an all-reduce's).
     """
-    backend = sorted((e for e in events if e.name.startswith(BACKEND_PREFIXES)), key=lambda e: e.start_ns)
+    backend_events = sorted((e for e in events if e.name.startswith(BACKEND_PREFIXES)), key=lambda e: e.start_ns)
     used: set[int] = set()
     calls = []
     for event in sorted(events, key=lambda e: e.start_ns):
         if event.name not in C10D_OPS or not start_ns <= event.start_ns <= end_ns:
             continue
-        calls.append(_call_of(event, backend, used, default_group_size))
+        call = _call_of(event, backend_events, used, default_group_size)
+        calls.append(replace(call, reduce_scatter_as_all_reduce=True) if backend == "gloo" else call)
     count = CommCount(tuple(calls))
     if count.assumed_dtype_calls:
         log.warning("%d collective(s) had no recorded dtype; counted with %d-byte elements",

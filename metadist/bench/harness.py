@@ -224,7 +224,7 @@ def measure_method(method: str, workload: Workload, ctx: RankContext, config: Ha
     events = events_from_profile(prof)
     start, end = window(events, f"bench:step{PROFILED_STEPS - 1}")
     one_d = len(prepared.mesh_shape) == 1
-    comm = count_collectives(events, start, end, default_group_size=ctx.world_size if one_d else 0)
+    comm = count_collectives(events, start, end, default_group_size=ctx.world_size if one_d else 0, backend=dist.get_backend())
     memory = cuda_peak or cpu_memory_peak(events, start, end)
     del prof, events
     times, loss = _timed_steps(prepared, ctx, config.warmup, config.steps)

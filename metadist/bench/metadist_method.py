@@ -44,9 +44,6 @@ RECOMPUTE_METHODS = frozenset({"metadist-ilp-recompute", "metadist-ilp-bf16-reco
 """Methods whose every repeated layer recomputes its forward before its backward (full activation checkpointing,
 :mod:`metadist.solver.recompute`), planned without a budget: recompute on, next to the same method with it off."""
 
-CLUSTER_PRESET_CPU = "cpu-gloo"
-"""The cost model's description of this machine (processes on one CPU over gloo)."""
-
 #: solver baseline -> the measured method it stands for (on a 1-D mesh, on a 2-D mesh).
 PREDICTED_AS = {"dp": ("ddp", "ddp"), "zero2": ("zero2", "zero2"), "zero3": ("zero3", "zero3"), "megatron": ("tp", "tp-dp")}
 
@@ -96,9 +93,30 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
                 discovery_s = time.perf_counter() - started
             dist.barrier()
     mesh = api["Mesh"](tuple(ctx.mesh_shape))
-    spec = ctx.cluster or (CLUSTER_PRESET_CPU if ctx.device.type == "cpu" else None)
-    cluster = api["resolve_cluster"](spec, mesh)
+    if ctx.cluster is None and ctx.device.type == "cpu":
+        cluster = machine_cpu_cluster(mesh, ctx)
+    else:
+        cluster = api["resolve_cluster"](ctx.cluster, mesh)
     return Planned(torch_step, rules, cluster, {"capture": capture_s, "discovery": discovery_s})
+
+
+def machine_cpu_cluster(mesh: Any, ctx: RankContext) -> Any:
+    """The CPU cluster of ``METADIST_CPU_CLUSTER`` (default: this machine, calibrated on first use by rank 0 while the
+    others wait, then read from the cache by every rank)."""
+    import sys
+
+    from ..config import settings_from_env
+    from ..cost.calibrate import default_cpu_cluster
+
+    settings = settings_from_env()
+
+    def announce(text: str) -> None:
+        print(f"metadist bench: {text}", file=sys.stderr, flush=True)
+
+    if ctx.rank == 0:
+        default_cpu_cluster(mesh, settings.cpu_cluster, settings.cache_dir, announce=announce)
+    dist.barrier()
+    return default_cpu_cluster(mesh, settings.cpu_cluster, settings.cache_dir)
 
 
 def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[Prepared, dict[str, float], dict[str, Any]]:
@@ -212,4 +230,5 @@ def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:
         "comm_bytes": float(sum(estimate.get("comm_bytes_by_axis", {}).values())),
         "memory_bytes": number("memory_bytes_peak"),
         "collectives_by_kind": dict(estimate.get("collectives_by_kind", {})),
+        "cluster": str(estimate.get("cluster", "")),
     }

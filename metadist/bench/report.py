@@ -228,15 +228,20 @@ def missing_scale_cells(scale: dict, models: Sequence[str], devices: Sequence[in
 
 
 def _ratio_summary(rows: Sequence[Sequence[str]]) -> str:
-    """The spread of measured/predicted over the methods, for time and for wire bytes."""
-    def spread(column: int) -> str:
-        values = sorted(float(row[column]) for row in rows if row[column] != "-")
-        if not values:
-            return "-"
-        return f"{values[0]:.2f} to {values[-1]:.2f} (median {values[len(values) // 2]:.2f})"
+    """The spread of measured/predicted, MetaDist's rows and the baselines' apart, for time and for wire bytes."""
+    ours = [row for row in rows if row[1].startswith("metadist")]
+    theirs = [row for row in rows if not row[1].startswith("metadist")]
+    return (f"Measured over predicted, MetaDist's {len(ours)} rows (the plan the runtime runs): step time "
+            f"{_spread(ours, 4)}; wire bytes {_spread(ours, 7)}. The baselines' {len(theirs)} rows (torch's DDP/FSDP "
+            f"against the solver's layouts of the same name): step time {_spread(theirs, 4)}; wire bytes "
+            f"{_spread(theirs, 7)}. A ratio above 1 means the cost model is optimistic.")
 
-    return (f"Measured over predicted, over {len(rows)} method rows: step time {spread(4)}; wire bytes {spread(7)}. "
-            "A ratio above 1 means the cost model is optimistic.")
+
+def _spread(rows: Sequence[Sequence[str]], column: int) -> str:
+    values = sorted(float(row[column]) for row in rows if row[column] != "-")
+    if not values:
+        return "-"
+    return f"{values[0]:.2f} to {values[-1]:.2f} (median {values[len(values) // 2]:.2f})"
 
 
 # ---------------------------------------------------------------- the page
@@ -363,9 +368,22 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
               "gloo's own copy (gloo reduce-scatters by all-reducing a clone of the whole input) and the result, "
               "next to the gathered parameters the plan returns; with overlap on, a bucket's members are freed once "
               "packed, before the collective runs.", ""]
+    never_lose = never_lose_lines(runs)
+    if never_lose:
+        parts += ["## Never lose: MetaDist against the best baseline, per model and mesh", "",
+                  f"MetaDist's measured median step over the fastest distributed baseline's (all fit in this machine's "
+                  f"memory); where it is above {NEVER_LOSE_RATIO}, the line says why, from the figures.", "", *never_lose, ""]
     prediction = prediction_rows(runs)
     if prediction:
-        parts += ["## The cost model against the measurements (this machine, `cpu-gloo` preset)", "",
+        clusters = sorted({str(result.predicted["cluster"]) for run in runs for result in run.methods
+                           if result.ok and result.predicted.get("cluster")})
+        named = ", ".join(f"`{name}`" for name in clusters) or "cluster not recorded"
+        parts += [f"## The cost model against the measurements (this machine; cost model: {named})", "",
+                  "`calibrated-gloo` is this machine as `metadist calibrate` measured it (run automatically on first "
+                  "use and cached); `cpu-gloo` is the fixed preset older result files were predicted with. Predicted "
+                  "wire bytes count what the rank program sends (a resharding shared by its readers once, gloo's "
+                  "reduce-scatter as the all-reduce it runs); the baselines' predictions are the solver's own dp/ZeRO/"
+                  "Megatron layouts, which move other collectives than torch's DDP and FSDP.", "",
                   _ratio_summary(prediction), "",
                   markdown_table(("model", "method", "predicted ms", "measured ms", "measured/predicted",
                                   "predicted wire/rank", "measured wire/rank", "measured/predicted"), prediction), ""]
@@ -591,11 +609,60 @@ def _prediction_plot(runs: Sequence[BenchRun], path: Path, link_prefix: str) -> 
 
 
 def load_runs(directory: Path) -> list[BenchRun]:
+    """The result files of ``directory``, models that inform first (:func:`run_order`)."""
     files = sorted(directory.glob("*.json"))
     runs = [BenchRun.from_json(path.read_text()) for path in files if _is_bench_file(path)]
     if not runs:
         raise FileNotFoundError(f"no benchmark result files (format metadist.bench) in {directory}; run the harness first")
-    return runs
+    return sorted(runs, key=run_order)
+
+
+LEADING_MODELS = ("gpt2-small", "gpt-85m", "gpt_85m")
+"""Models the page leads with (sizes that inform: GPT-2 small, 124M, and the 12-layer 768-wide GPT), before the tiny ones."""
+
+
+def run_order(run: BenchRun) -> tuple:
+    """Leading models first (in :data:`LEADING_MODELS` order), then the others by parameter count, largest first."""
+    name = run.model.rsplit("/", 1)[-1].removesuffix(".py")
+    lead = next((index for index, model in enumerate(LEADING_MODELS) if name.startswith(model)), len(LEADING_MODELS))
+    return (lead, -run.params, run.model, run.world_size)
+
+
+NEVER_LOSE_RATIO = 1.05
+"""MetaDist's measured median step may be at most this many times the best baseline's (issue: never lose)."""
+
+
+def never_lose_lines(runs: Sequence[BenchRun]) -> list[str]:
+    """Per model and mesh: MetaDist's median step over the best distributed baseline's, and why where it is > 1.05."""
+    lines = []
+    for run in runs:
+        where = f"{run.model} on {run.world_size} processes (mesh {'x'.join(map(str, run.mesh_shape))})"
+        ours = run.method("metadist-ilp")
+        best = _best(run, DISTRIBUTED_BASELINES, lambda r: r.median_step_s)
+        if ours is None or best is None:
+            continue
+        if not ours.ok:
+            lines.append(f"- {where}: **metadist-ilp {ours.status}**: {ours.reason}")
+            continue
+        ratio = ours.median_step_s / best.median_step_s
+        head = f"- {where}: metadist-ilp {fmt_ms(ours.median_step_s)} ms / {best.method} {fmt_ms(best.median_step_s)} ms = **x{ratio:.2f}**"
+        lines.append(head + ("" if ratio <= NEVER_LOSE_RATIO else f"; why: {_why_slower(ours, best)}"))
+    return lines
+
+
+def _why_slower(ours: MethodResult, best: MethodResult) -> str:
+    """One line: what the figures say about a loss (the cost model's view against the measurement)."""
+    calls = f"{sum(ours.comm_calls_by_kind.values())} collective calls against {sum(best.comm_calls_by_kind.values())}"
+    ours_s, best_s = ours.predicted.get("step_s"), best.predicted.get("step_s")
+    if not ours_s:
+        return f"no cost-model estimate was recorded for MetaDist's plan; {calls}"
+    under = ours.median_step_s / ours_s
+    if not best_s:
+        return (f"{best.method} is not one of the solver's baselines, so the planner could not price it; MetaDist's "
+                f"step took x{under:.1f} its estimate; {calls}")
+    return (f"the cost model put MetaDist's plan at x{ours_s / best_s:.2f} of the solver's {best.method} layout, but "
+            f"MetaDist's step took x{under:.1f} its estimate and {best.method}'s x{best.median_step_s / best_s:.1f} "
+            f"({best.method} here is torch's own implementation, not the solver's layout); {calls}")
 
 
 def _is_bench_file(path: Path) -> bool:

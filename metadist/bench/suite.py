@@ -29,9 +29,28 @@ class SuiteEntry:
     model: str
     mesh: str
     """DPxTP mesh for tp-dp and MetaDist ("" for 1-D over all processes)."""
+    nproc: int | None = None
+    """Processes of this entry (None: the suite's ``--nproc``)."""
+    steps: int | None = None
+    """Timed steps of this entry (None: the suite's ``--steps``)."""
+    methods: str | None = None
+    """Comma-separated methods (None: all)."""
+    batch: tuple[int, int] | None = None
+    """(global batch size, sequence length) of a built-in (None: its defaults)."""
 
+    @property
+    def slug(self) -> str:
+        """The result file's stem: the model's name (a file's stem for a model file)."""
+        return Path(self.model.split(":")[0]).stem.replace("_", "-") if self.model.endswith(".py") or ".py:" in self.model else self.model
+
+
+LEADING_METHODS = "single,ddp,zero2,zero3,metadist-ilp"
+"""The methods of the leading (large) entries: each step takes seconds on a CPU, so the rows that inform."""
 
 DEFAULT_ENTRIES = (
+    # sizes that inform first: GPT-2 small (124M) and the 12-layer 768-wide GPT, on 2 processes
+    SuiteEntry("gpt2-small", "", nproc=2, steps=3, methods=LEADING_METHODS, batch=(4, 128)),
+    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=3, methods=LEADING_METHODS),
     SuiteEntry("mlp", ""),
     SuiteEntry("gpt2-tiny", "2x2"),
     SuiteEntry("llama-tiny", "2x2"),
@@ -41,9 +60,13 @@ DEFAULT_ENTRIES = (
 
 
 def harness_argv(entry: SuiteEntry, nproc: int, steps: int, out: Path) -> list[str]:
+    nproc, steps = entry.nproc or nproc, entry.steps or steps
     mesh = entry.mesh if nproc == 4 else ""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "metadist.bench.harness", entry.model, "--steps", str(steps), "--out", str(out)]
+    argv += ["--warmup", "1"] if entry.steps else []
+    argv += ["--methods", entry.methods] if entry.methods else []
+    argv += ["--batch-size", str(entry.batch[0]), "--seq-len", str(entry.batch[1])] if entry.batch else []
     return argv + (["--mesh", mesh] if mesh else [])
 
 
@@ -60,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m metadist.bench.suite", description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--models", default=",".join(entry.model for entry in DEFAULT_ENTRIES))
+    parser.add_argument("--models", default=",".join(entry.slug for entry in DEFAULT_ENTRIES))
     parser.add_argument("--skip-scale", action="store_true", help="keep the existing scale study file")
     parser.add_argument("--skip-measure", action="store_true", help="keep the existing result files")
     parser.add_argument("--docs", type=Path, default=Path("docs"))
@@ -73,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     if not args.skip_measure:
         for entry in DEFAULT_ENTRIES:
-            if entry.model in wanted:
-                _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.model}-{args.nproc}proc.json"))
+            if entry.slug in wanted or entry.model in wanted:
+                nproc = entry.nproc or args.nproc
+                _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"))
     scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
     commands.append(shlex.join(["python", *scale_argv[1:]]))
     if not args.skip_scale:

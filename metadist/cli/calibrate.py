@@ -1,4 +1,8 @@
-"""``metadist calibrate --nproc N``: measure collectives on this machine, fit alpha-beta per axis."""
+"""``metadist calibrate --nproc N``: measure compute and collectives on this machine, fit alpha-beta per axis.
+
+On one axis (no ``--mesh``) the measurement also replaces this machine's cached calibration for N
+processes, the one CPU runs and benchmarks plan on (:func:`metadist.cost.calibrate.machine_cluster`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "calibrate",
         help="measure collectives on local processes and write a cluster JSON for `metadist plan --cluster`",
         description="Launch N local processes with torchrun, time all-reduce, all-gather, reduce-scatter and all-to-all "
-        "per mesh axis (gloo on CPU, NCCL with CUDA), and fit latency and bandwidth per axis.",
+        "per mesh axis (gloo on CPU, NCCL with CUDA), fit latency and bandwidth per axis, and time matmuls, an "
+        "elementwise op and tiny ops on every process at once (FLOP/s, bytes/s, seconds per op). On one axis, the "
+        "result also replaces this machine's cached calibration that CPU runs plan on.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of local processes")
     parser.add_argument("--mesh", help="mesh shape over the processes, e.g. 2x2 (default: one axis of N)")
@@ -31,16 +37,27 @@ def run(args: argparse.Namespace) -> int:
 
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
     cluster, report = calibrate(args.nproc, mesh, args.sizes)
+    cached = None
+    if mesh.ndim == 1 and report["backend"] == "gloo":
+        from ..config import settings_from_env
+        from ..cost.calibrate import calibration_path, save_calibration
+
+        cached = calibration_path(settings_from_env().cache_dir, args.nproc)
+        save_calibration(cached, report, args.nproc)
     console = Console()
     table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}")
-    for column in ("axis", "size", "latency", "bandwidth"):
+    for column in ("axis", "size", "per call", "latency per step", "bandwidth", "reduce-scatter"):
         table.add_column(column, justify="right")
     for name, size, link in zip(mesh.axis_names, mesh.shape, cluster.axis_links):
-        table.add_row(name, str(size), f"{link.latency_s * 1e6:.1f} us", f"{human_bytes(link.bandwidth_bytes_per_s)}/s")
+        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.latency_s * 1e6:.1f} us",
+                      f"{human_bytes(link.bandwidth_bytes_per_s)}/s", "as all-reduce" if link.reduce_scatter_as_all_reduce else "ring")
     console.print(table)
     device = cluster.device
-    console.print(f"device: {device.peak_flops_per_s / 1e9:.1f} GFLOP/s, {human_bytes(device.memory_bandwidth_bytes_per_s)}/s memory, "
+    console.print(f"device (slowest process, all computing at once): {device.peak_flops_per_s / 1e9:.1f} GFLOP/s matmul, "
+                  f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per op, "
                   f"{human_bytes(device.memory_capacity_bytes)} capacity", markup=False)
+    if cached is not None:
+        console.print(f"cached as this machine's calibration for {args.nproc} processes: {cached}", markup=False)
     for item in report["unsupported"]:
         console.print(f"not measured on axis {item['axis']}: {item['op']} ({item['reason']})", markup=False)
     if args.json:

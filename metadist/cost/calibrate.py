@@ -4,14 +4,26 @@ For every axis, each measurement of a collective on ``n`` devices moving a local
 ``B`` bytes gives one equation of the ring model used by :mod:`.comm`:
 ``seconds = call_overhead + steps * alpha + sent_bytes / bandwidth`` (``steps`` and
 ``sent_bytes`` as in :func:`.comm.collective_seconds`). The three are fitted by least squares
-over all sizes and collectives of that axis (minimum norm where one axis size cannot tell
-the overhead from alpha), and clipped to stay physical.
+of the relative error over all sizes and collectives of that axis (minimum norm where one axis size cannot tell
+the overhead from alpha), and clipped to stay physical. On gloo a reduce-scatter is an all-reduce
+of its input (:attr:`.cluster.Link.reduce_scatter_as_all_reduce`) and is fitted as one.
+
+The device figures (matmul FLOP/s, elementwise bytes/s, the fixed seconds of one op) are measured
+on every process at once, as a training step computes, and the slowest process's are kept.
+
+**Cache.** :func:`machine_cluster` measures this machine the first time a CPU run or benchmark
+plans on it (one progress line, ~20 s) and keeps the report in ``<cache dir>/calibration/``, keyed
+by a fingerprint of the machine (processor model, core count, memory; no host name), the torch
+version, the backend and the process count; ``metadist calibrate`` measures again and replaces it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -28,6 +40,10 @@ logger = logging.getLogger(__name__)
 _STEPS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
+QUICK_SIZES = "4096,262144,2097152"
+"""Message sizes of the automatic calibration (bytes): short enough to run on first use."""
+
+
 def _sent_bytes(op: str, buffer_bytes: float, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n * buffer_bytes
@@ -36,15 +52,50 @@ def _sent_bytes(op: str, buffer_bytes: float, n: int) -> float:
     return (n - 1) / n * buffer_bytes
 
 
-def fit_link(measurements: list[Mapping[str, Any]], axis_size: int, name: str) -> Link:
-    """Least-squares alpha (latency) and beta (1 / bandwidth) of one axis from its measurements."""
+def fit_link(measurements: list[Mapping[str, Any]], axis_size: int, name: str, reduce_scatter_as_all_reduce: bool = False) -> Link:
+    """Least-squares alpha (latency) and beta (1 / bandwidth) of one axis from its measurements.
+
+    ``reduce_scatter_as_all_reduce``: the backend runs a reduce-scatter as an all-reduce (gloo); it is fitted as one.
+    """
     if axis_size <= 1 or not measurements:
-        return Link(bandwidth_bytes_per_s=1e12, latency_s=0.0, name=f"{name} (not measured)")
-    rows = [[1.0, _STEPS[m["op"]] * (axis_size - 1), _sent_bytes(m["op"], m["bytes"], axis_size)] for m in measurements]
+        return Link(bandwidth_bytes_per_s=1e12, latency_s=0.0, name=f"{name} (not measured)",
+                    reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce)
+
+    def wire(op: str) -> str:
+        return "all_reduce" if op == "reduce_scatter" and reduce_scatter_as_all_reduce else op
+
+    rows = [[1.0, _STEPS[wire(m["op"])] * (axis_size - 1), _sent_bytes(wire(m["op"]), m["bytes"], axis_size)] for m in measurements]
     seconds = np.array([m["seconds"] for m in measurements])
-    (overhead, alpha, beta), *_ = np.linalg.lstsq(np.array(rows), seconds, rcond=None)
+    weight = 1.0 / np.maximum(seconds, 1e-9)  # relative errors: small messages count as much as large ones
+    (overhead, alpha, beta), *_ = np.linalg.lstsq(np.array(rows) * weight[:, None], seconds * weight, rcond=None)
     beta = max(float(beta), 1e-15)
-    return Link(bandwidth_bytes_per_s=1.0 / beta, latency_s=max(float(alpha), 0.0), call_overhead_s=max(float(overhead), 0.0), name=name)
+    return Link(bandwidth_bytes_per_s=1.0 / beta, latency_s=max(float(alpha), 0.0), call_overhead_s=max(float(overhead), 0.0), name=name,
+                reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce, kind_costs=_kind_costs(measurements, axis_size, wire))
+
+
+def _kind_costs(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> tuple[tuple[str, float, float], ...]:
+    """Per wire kind with two sizes or more: (kind, fixed seconds, bandwidth) through its smallest and largest message.
+
+    The fixed cost is the smallest message's time (less its bytes' share), the bandwidth the largest message's bytes
+    over its time beyond that: the two points that decide small and large messages. A reduce-scatter run as an
+    all-reduce is one more measurement of the all-reduce (the faster at each size is kept).
+    """
+    by_kind: dict[str, list[tuple[float, float]]] = {}
+    for m in measurements:
+        kind = wire(m["op"])
+        by_kind.setdefault(kind, []).append((_sent_bytes(kind, m["bytes"], axis_size), m["seconds"]))
+    costs = []
+    for kind, rows in sorted(by_kind.items()):
+        best: dict[float, float] = {}
+        for sent, seconds in rows:
+            best[sent] = min(seconds, best.get(sent, seconds))
+        if len(best) < 2:
+            continue
+        (small, small_s), (large, large_s) = min(best.items()), max(best.items())
+        beta = max((large_s - small_s) / (large - small), 1e-15)
+        fixed = max(small_s - small * beta, 0.0)
+        costs.append((kind, fixed, 1.0 / beta))
+    return tuple(costs)
 
 
 def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
@@ -52,10 +103,11 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     links = []
     for axis, size in enumerate(mesh.shape):
         rows = [m for m in report["measurements"] if m["axis"] == axis]
-        links.append(fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}"))
+        links.append(fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", report["backend"] == "gloo"))
     device = Device(
         peak_flops_per_s=report["device"]["peak_flops_per_s"],
         memory_bandwidth_bytes_per_s=report["device"]["memory_bandwidth_bytes_per_s"],
+        op_overhead_s=float(report["device"].get("op_overhead_s", 0.0)),
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
     )
@@ -79,11 +131,22 @@ def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0) ->
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    "-m", "metadist.cost.calibrate_worker", "--mesh", "x".join(map(str, mesh.shape)), "--sizes", sizes, "--out", str(out)]
         logger.info("running %s", " ".join(command))
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=_fresh_launch_env())
         if done.returncode != 0 or not out.exists():
             tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])
             raise ClusterError(f"the calibration workers failed (exit status {done.returncode}):\n{tail}")
         return json.loads(out.read_text())
+
+
+def _fresh_launch_env() -> dict[str, str]:
+    """This process's environment without the variables of a torchrun launch it may be part of.
+
+    A rank of ``metadist run`` or of the benchmark calibrates in a launch of its own, whose workers must not read
+    the outer launch's rank, world size or rendezvous.
+    """
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+              "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    return {key: value for key, value in os.environ.items() if key not in launch and not key.startswith("TORCHELASTIC_")}
 
 
 def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,1048576,4194304") -> tuple[Cluster, dict[str, Any]]:
@@ -91,3 +154,96 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
     mesh = mesh or Mesh((nproc,))
     report = run_workers(nproc, mesh, sizes)
     return cluster_from_report(report, mesh), report
+
+
+# ---------------------------------------------------------------- the per-machine cache
+
+CALIBRATION_FORMAT = "metadist.calibration"
+CALIBRATION_VERSION = 1
+
+
+def machine_fingerprint() -> dict[str, Any]:
+    """What identifies this machine's speed: processor model, core count, memory (no host name)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"processor": model, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "memory_gib": round(_host_memory_bytes() / 2**30)}
+
+
+def calibration_key(nproc: int, backend: str, torch_version: str, fingerprint: Mapping[str, Any] | None = None) -> str:
+    """The cache key of a calibration: machine fingerprint, torch version, backend, process count."""
+    fingerprint = machine_fingerprint() if fingerprint is None else fingerprint
+    text = json.dumps({"machine": fingerprint, "torch": torch_version, "backend": backend, "nproc": nproc}, sort_keys=True)
+    return f"{backend}-{nproc}proc-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def calibration_path(cache_dir: Path, nproc: int, backend: str = "gloo") -> Path:
+    """Where this machine's calibration for ``nproc`` processes over ``backend`` is cached."""
+    return Path(cache_dir) / "calibration" / f"{calibration_key(nproc, backend, _torch_version())}.json"
+
+
+def _torch_version() -> str:
+    """torch's version, read from its package metadata (the cost model never imports torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        raise ClusterError("torch is not installed: calibration measures this machine with torch.distributed; install torch") from None
+
+
+def save_calibration(path: Path, report: Mapping[str, Any], nproc: int) -> None:
+    """Write a calibration report to the cache (atomically)."""
+    document = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "nproc": nproc,
+                "fingerprint": machine_fingerprint(), "torch": _torch_version(), "report": dict(report)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(document, indent=1))
+    os.replace(temporary, path)
+
+
+def load_calibration(path: Path) -> dict[str, Any] | None:
+    """The cached report at ``path``; None when there is none. A damaged file is an error that says how to redo it."""
+    if not path.is_file():
+        return None
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ClusterError(f"the cached calibration {path} cannot be read ({err}); delete it or run `metadist calibrate`") from None
+    if document.get("format") != CALIBRATION_FORMAT or document.get("version") != CALIBRATION_VERSION:
+        raise ClusterError(f"{path} is not a calibration of this MetaDist version; delete it or run `metadist calibrate`")
+    return document["report"]
+
+
+def machine_cluster(mesh: Mesh, cache_dir: Path, *, sizes: str = QUICK_SIZES, announce=None) -> Cluster:
+    """This machine's calibrated gloo cluster over ``mesh``: from the cache, else measured now and cached.
+
+    The measurement runs ``mesh.size`` processes on one axis; its link is laid over every axis of ``mesh`` (all
+    processes of one machine talk over the same loopback). ``announce(text)`` is told before a measurement starts.
+    """
+    nproc = mesh.size
+    path = calibration_path(cache_dir, nproc)
+    report = load_calibration(path)
+    if report is None:
+        if announce is not None:
+            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, about 20 s, once; "
+                     f"cached in {path} (`metadist calibrate --nproc {nproc}` measures again)")
+        report = run_workers(nproc, Mesh((nproc,)), sizes)
+        save_calibration(path, report, nproc)
+    flat = cluster_from_report(report, Mesh((nproc,)))
+    return Cluster(mesh=mesh, device=flat.device, axis_links=(flat.axis_links[0],) * mesh.ndim, name=flat.name)
+
+
+def default_cpu_cluster(mesh: Mesh, cpu_cluster: str, cache_dir: Path, announce=None) -> Cluster:
+    """The cluster a CPU run plans on when it names none (:attr:`metadist.config.Settings.cpu_cluster`)."""
+    from .cluster import resolve_cluster
+
+    if cpu_cluster == "calibrated":
+        return machine_cluster(mesh, cache_dir, announce=announce)
+    return resolve_cluster(cpu_cluster, mesh)

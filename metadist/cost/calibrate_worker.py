@@ -1,8 +1,10 @@
 """One rank of ``metadist calibrate`` (launched by torchrun; the only torch code under ``cost``).
 
 Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each mesh axis's
-process groups for several message sizes (gloo on CPU, NCCL with CUDA); rank 0 also times a
-matmul and a copy for the device's roofline, and writes the measurements as JSON.
+process groups for several message sizes (gloo on CPU, NCCL with CUDA). Then every rank, all at
+once (as they compute in a training step, sharing the machine's cores), times float32 matmuls
+(FLOP/s), a memory-bound elementwise add (bytes/s) and a stream of tiny ops (the fixed cost of one
+op); the slowest rank's figures are kept. Rank 0 writes the measurements as JSON.
 Usage: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 metadist.cost.calibrate_worker --mesh 2x2 --out FILE``.
 """
@@ -46,10 +48,10 @@ def _axis_groups(shape: list[int]) -> list[object]:
 def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
     if op == "all_reduce":
         dist.all_reduce(tensor, group=group)
-    elif op == "all_gather":
-        dist.all_gather([torch.empty_like(tensor) for _ in range(size)], tensor, group=group)
+    elif op == "all_gather":  # the single-tensor forms, as the runtime's functional collectives call them
+        dist.all_gather_into_tensor(torch.empty(tensor.numel() * size, dtype=tensor.dtype, device=tensor.device), tensor, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter(torch.empty_like(tensor[: tensor.numel() // size]), list(tensor.chunk(size)), group=group)
+        dist.reduce_scatter_tensor(torch.empty_like(tensor[: tensor.numel() // size]), tensor, group=group)
     else:
         dist.all_to_all_single(torch.empty_like(tensor), tensor, group=group)
 
@@ -71,27 +73,80 @@ def _time(op: str, nbytes: int, group, size: int, device: torch.device, repeats:
     return float(seconds.item())
 
 
+def _rate(work: float, run, repeats: int) -> float:
+    """``work`` units per second of ``run()``: the median of ``repeats`` timed calls after one warm-up."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return work / statistics.median(samples)
+
+
 def _roofline(device: torch.device) -> dict[str, float]:
-    n = 1024
+    """This rank's matmul FLOP/s, elementwise bytes/s and fixed seconds per op (run on every rank at once)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 512
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    a @ b
-    started = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    flops = 5 * 2 * n**3 / (time.perf_counter() - started)
-    big = torch.empty(16 * 2**20, device=device)
-    started = time.perf_counter()
-    for _ in range(5):
-        big.clone()
-    bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - started)
-    return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth}
+
+    def matmuls() -> None:
+        for _ in range(4):
+            a @ b
+        sync()
+
+    flops = _rate(4 * 2 * n**3, matmuls, 3)
+    x, y = torch.randn(1 << 20, device=device), torch.randn(1 << 20, device=device)
+    out = torch.empty_like(x)
+
+    def adds() -> None:
+        for _ in range(8):
+            torch.add(x, y, out=out)
+        sync()
+
+    bandwidth = _rate(8 * 3 * x.numel() * 4, adds, 3)  # two reads and one write per element
+    chain = _tiny_op_chain(400)  # a GraphModule of aten ops, as a captured step's rank program runs them
+    tiny = torch.ones(8, device=device)
+
+    def tiny_ops() -> None:
+        chain(tiny)
+        sync()
+
+    overhead = 1.0 / _rate(400, tiny_ops, 5)
+    return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": overhead}
+
+
+def _tiny_op_chain(length: int) -> torch.nn.Module:
+    """A ``torch.fx`` GraphModule of ``length`` dependent aten ops on its input (each op's fixed cost dominates)."""
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    value = graph.placeholder("x")
+    for index in range(length):
+        op = (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor)[index % 2]
+        value = graph.call_function(op, (value, value))
+    graph.output(value)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's figures -> the slowest rank's (lowest rates, highest overhead)."""
+    keys = sorted(figures)
+    sign = [1.0 if key in _SECONDS else -1.0 for key in keys]
+    values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
+
+
+_SECONDS = frozenset({"op_overhead_s"})
+"""Figures that are times (the slowest rank has the largest); the others are rates (the smallest)."""
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 4 or 2x2")
     parser.add_argument("--sizes", default="4096,65536,1048576,4194304", help="message sizes in bytes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available()
@@ -109,9 +164,11 @@ def main(argv: list[str] | None = None) -> None:
                     unsupported.append({"axis": axis, "op": op, "reason": str(err).splitlines()[0][:200]})
                     break
                 measurements.append({"axis": axis, "op": op, "bytes": nbytes, "seconds": seconds})
+    dist.barrier()
+    roofline = _slowest(_roofline(device), device)
     if dist.get_rank() == 0:
         report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "mesh": shape,
-                  "device": _roofline(device), "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                  "device": roofline, "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                   "memory_capacity_bytes": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
                   "measurements": measurements, "unsupported": unsupported}
         with open(args.out, "w") as handle:

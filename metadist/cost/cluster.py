@@ -36,10 +36,28 @@ class Link:
     """Fixed cost of launching and synchronizing one collective, whatever its size."""
     name: str = ""
     """What the link is (``nvlink``, ``infiniband``, ``gloo-loopback``...)."""
+    reduce_scatter_as_all_reduce: bool = False
+    """The backend carries out a reduce-scatter as an all-reduce of the whole input, then keeps its piece (gloo):
+    it sends, and takes the time of, an all-reduce."""
+    kind_costs: tuple[tuple[str, float, float], ...] = ()
+    """Measured (collective kind, fixed seconds per call, bandwidth) of kinds whose algorithm the backend runs at its
+    own speed (gloo's all-gather is several times slower per byte than its all-reduce); a kind listed here is priced
+    ``fixed + sent / bandwidth`` instead of the alpha-beta figures above. Empty for the presets."""
 
     def __post_init__(self) -> None:
+        costs = tuple(sorted((str(kind), float(fixed), float(bandwidth)) for kind, fixed, bandwidth in self.kind_costs))
+        object.__setattr__(self, "kind_costs", costs)
+        if any(fixed < 0 or bandwidth <= 0 for _, fixed, bandwidth in costs):
+            raise ClusterError(f"a link's per-kind costs need fixed seconds >= 0 and bandwidth > 0, got {costs}")
         if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0:
             raise ClusterError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+    def kind_cost(self, kind: str) -> tuple[float, float] | None:
+        """(fixed seconds, bandwidth) measured for collectives of ``kind``; None when it follows the alpha-beta figures."""
+        for name, fixed, bandwidth in self.kind_costs:
+            if name == kind:
+                return fixed, bandwidth
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +76,9 @@ class Device:
     tensor cores at about twice the TF32 rate); a dtype not listed runs at ``peak_flops_per_s``."""
     unsupported_dtypes: tuple[str, ...] = ()
     """Floating dtypes the device cannot compute in (bfloat16 before NVIDIA Ampere)."""
+    op_overhead_s: float = 0.0
+    """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
+    CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
 
     def __post_init__(self) -> None:
         pairs = self.peak_flops_per_s_by_dtype
@@ -65,8 +86,8 @@ class Device:
         object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
         object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
         figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes, *(v for _, v in pairs))
-        if min(figures) <= 0:
-            raise ClusterError(f"device figures must be positive, got {self}")
+        if min(figures) <= 0 or not self.op_overhead_s >= 0:
+            raise ClusterError(f"device figures must be positive (op overhead >= 0), got {self}")
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of work in ``dtype`` (a MetaIR dtype name)."""
@@ -158,11 +179,13 @@ INFINIBAND_NDR = Link(bandwidth_bytes_per_s=45e9, latency_s=5e-6, call_overhead_
 # gloo between local processes on a small CPU machine, often more processes than cores. Measured on
 # the 2-core development machine: a 4-byte all-reduce costs 0.2 ms with 2 processes and ~2 ms with 4
 # (scheduling, not the wire, dominates); 16 MiB all-gathers reach ~1 GB/s.
-GLOO_LOOPBACK = Link(bandwidth_bytes_per_s=1e9, latency_s=100e-6, call_overhead_s=500e-6, name="gloo-loopback")
+# gloo's reduce-scatter is an all-reduce of the whole input (each rank then keeps its piece).
+GLOO_LOOPBACK = Link(bandwidth_bytes_per_s=1e9, latency_s=100e-6, call_overhead_s=500e-6, name="gloo-loopback",
+                     reduce_scatter_as_all_reduce=True)
 # One process on the development machine's CPU (AVX-512 with bf16 instructions): measured single-thread matmuls
 # reach ~42 GFLOP/s in float32, ~110 in bfloat16 and ~1.4 in float16 (no fast float16 kernel on CPUs).
 CPU_CORE = Device(peak_flops_per_s=50e9, memory_bandwidth_bytes_per_s=10e9, memory_capacity_bytes=16e9, name="cpu",
-                  peak_flops_per_s_by_dtype={"bfloat16": 110e9, "float16": 1.5e9})
+                  peak_flops_per_s_by_dtype={"bfloat16": 110e9, "float16": 1.5e9}, op_overhead_s=10e-6)
 
 PRESETS: Mapping[str, Machine] = {
     "a100x8": Machine(device=A100, devices_per_node=8, intra_node_link=NVLINK3, inter_node_link=INFINIBAND_NDR,

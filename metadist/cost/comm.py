@@ -17,17 +17,25 @@ Shard(i) -> Shard(j)   all-to-all           (n-1) alpha + (n-1)/n B / bw
 Shard(i) -> Partial    all-gather           as Shard -> Replicate
 =====================  ===================  =====================================================
 
-Uneven pieces (``torch.chunk``: the last ones shorter or empty) are priced as the runtime moves
-them, padded to equal pieces: ``B`` is the largest piece (an all-gather's), or the buffer with its
-scattered dim padded to a multiple of ``n`` (a reduce-scatter's, an all-to-all's).
-
-Axes that shrink the buffer (to Shard) go first, then the gathers and all-reduces, so that
-each collective moves as little as possible (the order DTensor's redistribute favours).
+The collectives of a resharding are the lowering's own steps (:func:`reshard` asks
+:func:`metadist.lowering.reshard.plan_resharding`): the same kinds, order and axes as the runtime
+(nested shards of one dim are gathered innermost axis first; a dim sharded on two axes that moves
+to another dim is gathered, then sliced, where an all-to-all cannot do it alone), and the same
+bytes, padding of uneven pieces (``torch.chunk``) included. The table above is the ring
+convention each step's bytes follow.
 
 A node whose strategy takes a halo factor (:attr:`metadist.ir.plan.NodeStrategy.halos`) first
 exchanges border elements on that axis (:func:`halo_exchange_seconds`): the runtime all-gathers
 each rank's ``h`` first and ``h`` last elements of the split dim (``2h`` slices), so each rank
 sends ``(n-1) 2h`` slices, priced as that all-gather.
+
+On a link whose backend carries out a reduce-scatter as an all-reduce of the whole input
+(gloo: :attr:`.cluster.Link.reduce_scatter_as_all_reduce`), a reduce-scatter is priced, and its
+bytes counted, as that all-reduce: ``2 (n-1) alpha + 2 (n-1)/n B / bw``.
+
+A calibrated link may carry measured per-kind costs (:attr:`.cluster.Link.kind_costs`: gloo's
+all-gather is several times slower per byte than its all-reduce); such a kind is priced
+``fixed + sent / bandwidth`` with its own figures.
 
 A collective the runtime runs in a bucket with others (:mod:`.bucketing`) pays only
 ``fixed_share`` of its fixed cost (the ``alpha`` terms and ``call_overhead_s``); the
@@ -39,9 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..ir import Partial, Replicate, Shard, TensorSpec
+from ..ir import Shard, TensorSpec
 from .cluster import Cluster, Link
-from .sharding import local_nbytes, padded_nbytes
+from .sharding import local_nbytes
 
 
 @dataclass(frozen=True)
@@ -79,9 +87,13 @@ def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Lin
     n = axis_size
     if n <= 1:
         return 0.0, 0.0
-    steps, sent = _ring(kind, buffer_bytes, n)
-    share = 1.0 if kind == "all_to_all" else fixed_share
-    return share * (link.call_overhead_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
+    _, ring_bytes = _ring(kind, buffer_bytes, n)
+    return priced_collective(kind, ring_bytes, n, link, fixed_share)
+
+
+def wire_kind(kind: str, link: Link) -> str:
+    """The collective the backend carries out for ``kind``: gloo runs a reduce-scatter as an all-reduce."""
+    return "all_reduce" if kind == "reduce_scatter" and link.reduce_scatter_as_all_reduce else kind
 
 
 def _ring(kind: str, buffer_bytes: float, n: int) -> tuple[int, float]:
@@ -95,50 +107,46 @@ def _ring(kind: str, buffer_bytes: float, n: int) -> tuple[int, float]:
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _collective_kind(src, dst) -> str | None:
-    if src == dst or isinstance(src, Replicate):
-        return None  # unchanged, or a free local slice / zeroing
-    if isinstance(src, Shard):
-        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
-    if isinstance(src, Partial):
-        if isinstance(dst, Shard):
-            return "reduce_scatter"
-        return "all_reduce"
-    raise ValueError(f"unknown placement {src!r}")
-
-
 def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster, fixed_share: float = 1.0) -> Resharding:
-    """The collectives that move a value of ``spec`` from sharding ``src`` to ``dst``.
+    """The collectives that move a value of ``spec`` from sharding ``src`` to ``dst``, as the runtime runs them.
 
-    ``fixed_share``: the share of each collective's fixed cost paid when it runs bucketed (1: alone).
+    The steps are the lowering's own (:func:`metadist.lowering.reshard.plan_resharding`, on the rank at coordinate 0,
+    which holds the largest pieces): the same collectives, in the same order, on the same axes, with the same bytes
+    (padding of uneven pieces included). ``fixed_share``: the share of each collective's fixed cost paid when it runs
+    bucketed (1: alone).
     """
     if tuple(src) == tuple(dst):
         return NO_RESHARDING
+    from ..lowering.reshard import COLLECTIVE_KINDS, plan_resharding
+
     mesh = cluster.mesh
-    current = list(src)
-    shrinking = [axis for axis in range(mesh.ndim) if src[axis] != dst[axis] and isinstance(dst[axis], Shard)]
-    growing = [axis for axis in range(mesh.ndim) if src[axis] != dst[axis] and not isinstance(dst[axis], Shard)]
+    steps = plan_resharding(spec.shape, spec.itemsize, src, dst, mesh, (0,) * mesh.ndim, what=f"a {spec} value")
     collectives = []
-    for axis in shrinking + growing:
-        kind = _collective_kind(current[axis], dst[axis])
-        buffer_bytes = _buffer_bytes(kind, spec, current, dst[axis], mesh, axis)
-        current[axis] = dst[axis]
-        if kind is None:
+    for step in steps:
+        if step.kind not in COLLECTIVE_KINDS:
             continue
-        seconds, sent = collective_seconds(kind, buffer_bytes, mesh.shape[axis], cluster.link(axis), fixed_share)
-        collectives.append(Collective(kind=kind, axis=axis, comm_bytes=sent, comm_s=seconds))
+        seconds, sent = priced_collective(step.kind, step.comm_bytes, mesh.shape[step.axis], cluster.link(step.axis), fixed_share)
+        collectives.append(Collective(kind=step.kind, axis=step.axis, comm_bytes=sent, comm_s=seconds))
     return Resharding(tuple(collectives))
 
 
-def _buffer_bytes(kind: str | None, spec: TensorSpec, current: Sequence, wanted, mesh, axis: int) -> float:
-    """The local buffer a collective starts from, padded as the runtime pads uneven pieces.
+def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, fixed_share: float = 1.0) -> tuple[float, float]:
+    """(time, bytes sent) of a collective that sends ``ring_bytes`` per rank on the ring algorithm of ``kind``.
 
-    An all-gather's input is the largest piece (every piece is padded to it); a reduce-scatter's
-    and an all-to-all's scattered dim is padded up to a multiple of the axis size.
+    On a link that runs a reduce-scatter as an all-reduce (gloo) it sends, and takes the time of, that all-reduce.
     """
-    if kind in ("reduce_scatter", "all_to_all") and isinstance(wanted, Shard):
-        return padded_nbytes(spec, current, mesh, wanted.dim, mesh.shape[axis])
-    return local_nbytes(spec, current, mesh)
+    n = axis_size
+    if n <= 1:
+        return 0.0, 0.0
+    wire = wire_kind(kind, link)
+    sent = 2 * ring_bytes if wire != kind else ring_bytes
+    share = 1.0 if kind == "all_to_all" else fixed_share
+    measured = link.kind_cost(wire)
+    if measured is not None:
+        fixed, bandwidth = measured
+        return share * fixed + sent / bandwidth, sent
+    steps = 2 * (n - 1) if wire == "all_reduce" else n - 1
+    return share * (link.call_overhead_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
 
 
 def halo_exchange_bytes(spec: TensorSpec, sharding: Sequence, axis: int, halo: int, mesh) -> float:

@@ -7,7 +7,8 @@ axes that take a factor), and counts the bytes of the local shards the strategy 
 writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``, the peak being the
 device's for the node's **compute dtype** (its first floating input's, else its first output's): bfloat16 and
 float16 matmuls run at about twice the float32 (TF32) rate on GPUs, and their bytes are half.
-View ops alias their input and cost nothing.
+View ops alias their input and cost no work. Every node, views included, also pays the device's fixed
+``op_overhead_s`` (dispatch: a few microseconds per op on a CPU process; 0 on the GPU presets).
 
 Uneven splits (``torch.chunk`` pieces) are priced on the rank with the largest pieces, which
 the others wait for: a factor of size ``n`` cut into ``m`` pieces does ``ceil(n / m) / n`` of the
@@ -153,7 +154,7 @@ def compute_seconds(
 ) -> float:
     """Roofline time of the node's local work under ``strategy`` (seconds), on the rank with the largest pieces."""
     if work.is_view:
-        return 0.0
+        return device.op_overhead_s
     flops = work.flops / split_degree(strategy, mesh)
     if strategy.choices:
         flops *= uneven_scale(strategy, input_specs, mesh)
@@ -163,7 +164,8 @@ def compute_seconds(
         for spec, sharding in zip(output_specs, strategy.outputs)
         if spec is not None and sharding is not None
     )
-    return max(flops / device.flops_per_s(compute_dtype(input_specs, output_specs)), memory_bytes / device.memory_bandwidth_bytes_per_s)
+    roofline = max(flops / device.flops_per_s(compute_dtype(input_specs, output_specs)), memory_bytes / device.memory_bandwidth_bytes_per_s)
+    return device.op_overhead_s + roofline
 
 
 _FLOATING = ("float", "bfloat")

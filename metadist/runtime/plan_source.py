@@ -38,7 +38,8 @@ def load_plan(
     ``source``: ``solver`` (ShardCombine's rules, then the ILP), ``replicate``, a
     solver baseline (``dp``, ``zero2``, ``zero3``, ``megatron``), a plan JSON file
     or a :class:`Plan` already read.
-    ``cluster``: the cost model's cluster preset or file (None: ``cpu-gloo`` on CPU).
+    ``cluster``: the cost model's cluster preset or file (None on CPU: ``METADIST_CPU_CLUSTER``, by default this
+    machine as calibrated on first use, :func:`metadist.cost.calibrate.machine_cluster`).
     ``bucket_cap_bytes``: the runtime's coalescing cap, which the solver prices (None: default).
     ``pinned``: graph input name -> the sharding its state already lies in, which the solver keeps.
     """
@@ -92,17 +93,29 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
     from ..solver import baseline_plan, plan_graph
     from ..solver.problem import Restrictions
 
-    if cluster is None and not torch.cuda.is_available():
-        cluster = "cpu-gloo"
     rules = rules_from_database(torch_step.graph, TorchExecutor())  # marks the "discovery" phase
     reduce_dtype = torch_step.precision.reduce_dtype
-    resolved = resolve_cluster(cluster, mesh)
+    if cluster is None and not torch.cuda.is_available():
+        from ..config import settings_from_env
+        from ..cost.calibrate import default_cpu_cluster
+
+        settings = settings_from_env()
+        with phase("calibrate"):
+            resolved = default_cpu_cluster(mesh, settings.cpu_cluster, settings.cache_dir, announce=_announce)
+    else:
+        resolved = resolve_cluster(cluster, mesh)
     with phase("solve"):
         if source == "solver":
             restrictions = Restrictions(input_shardings={name: frozenset({sharding}) for name, sharding in pinned.items()})
             return plan_graph(torch_step.graph, rules, resolved, memory_budget_bytes=memory_budget_bytes,
                               bucket_cap_bytes=bucket_cap_bytes, restrictions=restrictions, reduce_dtype=reduce_dtype)
         return baseline_plan(torch_step.graph, rules, resolved, source, reduce_dtype=reduce_dtype)
+
+
+def _announce(text: str) -> None:
+    import sys
+
+    print(f"metadist: {text}", file=sys.stderr, flush=True)
 
 
 def _broadcast_text(text: str) -> str:

@@ -39,15 +39,32 @@ def value_shardings(graph: Graph, assignment: Assignment) -> dict[str, tuple]:
 
 
 def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], bucketing: Bucketing):
+    """(spec, source sharding, needed sharding, fixed-cost share) of every resharding the runtime runs.
+
+    As the lowering does (:meth:`metadist.lowering.program._Lowering.use`), a value resharded to one sharding is
+    resharded once, whoever reads it: later readers (and a graph output) that need that sharding share the result,
+    so they send nothing more. Each (value, needed sharding) is yielded once, with the share of its first reader.
+    """
     from .problem import final_output_sharding
+
+    seen: set[tuple[str, tuple]] = set()
+
+    def first(name: str, needed) -> bool:
+        key = (name, tuple(needed))
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
 
     for node in graph.nodes:
         for name, needed in zip(node.input_names, assignment.node_strategies[node.name].inputs):
-            yield graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name)
+            if first(name, needed):
+                yield graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name)
     for graph_output in graph.outputs:
         src = produced[graph_output.name]
         dst = assignment.input_shardings[graph_output.replaces] if graph_output.replaces else final_output_sharding(src)
-        yield graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER)
+        if first(graph_output.name, dst):
+            yield graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER)
 
 
 def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucketing: Bucketing | None = None) -> dict[str, Any]:
