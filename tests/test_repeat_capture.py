@@ -86,6 +86,17 @@ def test_expanded_graph_with_raw_gradients_equals_the_whole_capture(caplog):
     assert whole.loss_divisor is not None and loss_divisor_of(expanded) == whole.loss_divisor
 
 
+def test_a_raw_gradient_capture_of_a_library_model_has_canonical_names():
+    """Copies dropped from the gradient outputs leave no gaps in the numbering (a few captured layers expand to it)."""
+    from metadist.ir.expand import canonical_names
+    from metadist.workloads import load_workload
+
+    workload = load_workload("llama-tiny")
+    optimizer = workload.optimizer(workload.model.parameters())
+    graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, raw_grads=True).graph
+    assert canonical_names(graph)[0] == graph
+
+
 def test_a_layer_that_behaves_differently_is_caught_and_captured_whole(caplog):
     model, optimizer, batch = _inputs(6, odd_layer=2)  # layer 2 doubles its branch: the self-check sees it
     with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):

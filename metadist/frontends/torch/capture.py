@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from ...ir import Graph, PrecisionPolicy, Role
+from ...ir.expand import canonical_names
 from .errors import CaptureError
 from .masked_assignment import MaskedAssignmentAsWhere
 from .moe import static_experts, uncovered_routing_hint
@@ -297,7 +298,12 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
     check_no_replayed_draws(rng_watch, graph)  # torch.utils.checkpoint replaying dropout: refused, never silently wrong
     if routing:
         graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
-    if raw_grads:
+    if raw_grads and not routing:
+        # the dropped copies would leave gaps in the numbering: renamed from the op sequence again, so that a capture
+        # on a few layers expanded (frontends.torch.repeat) gets the same names as this one
+        graph, renamed = canonical_names(_grads_without_copies(graph))
+        contiguous_values = frozenset(renamed.get(value, value) for value in contiguous_values)
+    elif raw_grads:
         graph = _grads_without_copies(graph)
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
