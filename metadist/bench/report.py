@@ -258,7 +258,8 @@ def pipeline_section(study: dict) -> list[str]:
              "the ILP on its sub-mesh; pp 1 is the whole step on all devices); *megatron 3D* uses the same cuts with "
              "each stage laid out as Megatron-LM does (TP inside a node, DP across the stage's nodes, 1F1B); *zero3* "
              "is the whole step, no pipeline. The bubble is the idle share of device time in the forward/backward "
-             "part of the schedule.", "", "```bash", study.get("command", "python -m metadist.bench.pipeline_study"), "```", ""]
+             "part of the schedule.", "", "```bash",
+             *study.get("commands", [study.get("command", "python -m metadist.bench.pipeline_study")]), "```", ""]
     for model, devices in dict.fromkeys((row.model, row.devices) for row in rows):
         cell = [row for row in rows if (row.model, row.devices) == (model, devices)]
         chosen = [row for row in cell if row.method.endswith("(chosen)")]
@@ -679,8 +680,10 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
     images = plot_all(runs, scale, out.parent / "img", "img/")
     from ..cli.common import write_atomically
 
-    pipeline_path = scale_path.parent / "pipeline_study.json" if scale_path is not None else None
-    pipeline = json.loads(pipeline_path.read_text()) if pipeline_path is not None and pipeline_path.is_file() else None
+    studies = [json.loads(path.read_text()) for path in sorted(scale_path.parent.glob("pipeline_study*.json"))] \
+        if scale_path is not None else []
+    pipeline = None if not studies else {"cluster": studies[0].get("cluster"), "rows": [r for s in studies for r in s["rows"]],
+                                         "commands": [s["command"] for s in studies if "command" in s]}
     recompute_path = scale_path.parent / "recompute_demo.json" if scale_path is not None else None
     recompute = json.loads(recompute_path.read_text()) if recompute_path is not None and recompute_path.is_file() else None
     pipeline_run_path = scale_path.parent / "pipeline_run.json" if scale_path is not None else None
