@@ -70,10 +70,11 @@ def study_workload(name: str, global_batch: int):
     from ..workloads.builtin import adamw, hf_loss
 
     family, config = CONFIGS[name]
+    # a training step keeps no KV cache (as the built-ins: metadist.workloads.builtin)
     if family == "llama":
-        hf_config, model_class = transformers.LlamaConfig(**config), transformers.LlamaForCausalLM
+        hf_config, model_class = transformers.LlamaConfig(**config, use_cache=False), transformers.LlamaForCausalLM
     else:
-        hf_config, model_class = transformers.GPT2Config(**config), transformers.GPT2LMHeadModel
+        hf_config, model_class = transformers.GPT2Config(**config, use_cache=False), transformers.GPT2LMHeadModel
     with torch.device("meta"):
         model = model_class(hf_config)
     model.loss_type = "ForCausalLM"
