@@ -404,24 +404,7 @@ class PipelineStep:
                 env[name] = self._shard(first[name], program_input.sharding)
         env.update(accumulated)
         self._grads_local = dict(accumulated)
-        works = []
-        for index, transfer in enumerate(self.plan.transfers):  # gradients go whole to the owner's stage
-            if transfer.kind != "gradient":
-                continue
-            if transfer.source == self.index:
-                value = accumulated[transfer.value]
-                full = self._full(value, self._sharding_in(self.index, transfer.value),
-                                  self.graph.value(transfer.value).spec.shape).contiguous()
-                self.sent_bytes += full.numel() * full.element_size()
-                works.append(dist.isend(full, dst=self.rank_of_stage[transfer.target], tag=1 << 20 | index))
-        for index, transfer in enumerate(self.plan.transfers):
-            if transfer.kind == "gradient" and transfer.target == self.index:
-                spec = self.graph.value(transfer.value).spec
-                full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
-                dist.irecv(full, src=self.rank_of_stage[transfer.source], tag=1 << 20 | index).wait()
-                env[transfer.value] = self._shard(full, self._sharding_in(self.index, transfer.value))
-        for work in works:
-            work.wait()
+        self._exchange_whole("gradient", 1 << 20, accumulated, env)  # gradients go whole to the owner's stage
         results = self._run(phase, env)
         self._update_grads = {}
         for output in phase.graph.outputs:
@@ -429,19 +412,25 @@ class PipelineStep:
                 self.local_state[output.replaces] = results[output.name]
             elif output.role is Role.GRAD:
                 self._update_grads[output.source.removeprefix("grad:")] = results[output.name]
+        # updated parameters to the stages holding copies
+        self._exchange_whole("parameter", 1 << 21, self.local_state, self.local_state)
+
+    def _exchange_whole(self, kind: str, tag: int, held: Mapping[str, torch.Tensor], received: dict[str, torch.Tensor]) -> None:
+        """Send every ``kind`` transfer this stage is the source of whole (its shards, from ``held``, gathered) and put
+        those it is the target of into ``received`` as this stage's shards; message tags are ``tag | transfer index``."""
         works = []
-        for index, transfer in enumerate(self.plan.transfers):  # updated parameters to the stages holding copies
-            if transfer.kind == "parameter" and transfer.source == self.index:
-                full = self._full(self.local_state[transfer.value], self._sharding_in(self.index, transfer.value),
+        for index, transfer in enumerate(self.plan.transfers):
+            if transfer.kind == kind and transfer.source == self.index:
+                full = self._full(held[transfer.value], self._sharding_in(self.index, transfer.value),
                                   self.graph.value(transfer.value).spec.shape).contiguous()
                 self.sent_bytes += full.numel() * full.element_size()
-                works.append(dist.isend(full, dst=self.rank_of_stage[transfer.target], tag=1 << 21 | index))
+                works.append(dist.isend(full, dst=self.rank_of_stage[transfer.target], tag=tag | index))
         for index, transfer in enumerate(self.plan.transfers):
-            if transfer.kind == "parameter" and transfer.target == self.index:
+            if transfer.kind == kind and transfer.target == self.index:
                 spec = self.graph.value(transfer.value).spec
                 full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
-                dist.irecv(full, src=self.rank_of_stage[transfer.source], tag=1 << 21 | index).wait()
-                self.local_state[transfer.value] = self._shard(full, self._sharding_in(self.index, transfer.value))
+                dist.irecv(full, src=self.rank_of_stage[transfer.source], tag=tag | index).wait()
+                received[transfer.value] = self._shard(full, self._sharding_in(self.index, transfer.value))
         for work in works:
             work.wait()
 
