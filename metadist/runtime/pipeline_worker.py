@@ -96,10 +96,7 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     enter("reference run", quiet=not config.check)
     reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy) if config.check else None
     torch.manual_seed(config.seed)
-    checkpointer, start = _resume(config, workload.model, optimizer, reporter)
-    if start and reference is not None:
-        reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
-        reference = None
+    checkpointer, start, reference = _resume(config, workload.model, optimizer, reporter, reference)
     losses = []
     for index in range(start, config.steps):
         enter(f"step {index}", quiet=True)

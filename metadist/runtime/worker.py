@@ -198,10 +198,8 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
-    checkpointer, start = _resume(config, workload.model, optimizer, reporter, compiled.torch_step.scaler)
-    if start and reference is not None:
-        reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
-        reference = None
+    checkpointer, start, reference = _resume(config, workload.model, optimizer, reporter, reference,
+                                             compiled.torch_step.scaler)
     losses = []
     for step in range(start, config.steps):
         enter(f"step {step}", quiet=True)
@@ -247,12 +245,13 @@ def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph,
     Path(config.summary_path).write_text(summary.to_json())
 
 
-def _resume(config: WorkerConfig, model, optimizer, reporter, scaler=None):
-    """The checkpointer of ``--checkpoint-dir`` and the step to start from (its newest complete checkpoint, or 0).
+def _resume(config: WorkerConfig, model, optimizer, reporter, reference, scaler=None):
+    """The checkpointer of ``--checkpoint-dir``, the step to start from (its newest complete checkpoint, or 0) and the
+    ``--check`` reference run, None when resumed (it compares runs from the first step).
 
     ``scaler``: the step's GradScaler (fp16), whose scale and growth tracker are restored too."""
     if config.checkpoint_dir is None:
-        return None, 0
+        return None, 0, reference
     from .checkpointer import Checkpointer
 
     every = config.checkpoint_every if config.checkpoint_every > 0 else max(config.steps, 1)
@@ -265,7 +264,10 @@ def _resume(config: WorkerConfig, model, optimizer, reporter, scaler=None):
 
         raise RunInputError(f"the newest checkpoint in {config.checkpoint_dir!r} is at step {start}, past --steps "
                             f"{config.steps}; raise --steps or use another --checkpoint-dir")
-    return checkpointer, start
+    if start and reference is not None:
+        reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
+        reference = None
+    return checkpointer, start, reference
 
 
 def _one_start(workload, optimizer, device_mesh):
