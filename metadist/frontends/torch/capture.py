@@ -296,15 +296,13 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
     output_roles = traced.output_roles()
     graph, constants, slots_all, contiguous_values = fx_to_ir(pass2, slots, output_roles, name=name)
     check_no_replayed_draws(rng_watch, graph)  # torch.utils.checkpoint replaying dropout: refused, never silently wrong
-    if routing:
-        graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
-    if raw_grads and not routing:
+    if raw_grads:
         # the dropped copies would leave gaps in the numbering: renamed from the op sequence again, so that a capture
         # on a few layers expanded (frontends.torch.repeat) gets the same names as this one
         graph, renamed = canonical_names(_grads_without_copies(graph))
         contiguous_values = frozenset(renamed.get(value, value) for value in contiguous_values)
-    elif raw_grads:
-        graph = _grads_without_copies(graph)
+    if routing:
+        graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
     elapsed = time.perf_counter() - started
     log.info("captured %s: %d nodes in %.2f s", name, len(graph.nodes), elapsed)
     return TorchStep(
