@@ -52,7 +52,8 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     from ..progress import enter
     from .pipeline import PipelineStep
     from .setup import check_same_everywhere, setup_device_mesh
-    from .worker import _load_workload, _one_start, _policy, _reference, _resume, _train_step
+    from .worker import (_load_workload, _one_start, _policy, _reference, _resume, _train_step, compare_on_rank_zero,
+                         reference_on_rank_zero)
 
     refuse_unsupported(config)
     enter("setup")
@@ -94,7 +95,8 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     step = PipelineStep(torch_step, plan, device_mesh, whole_graph=whole, bucket_cap_bytes=config.bucket_cap_bytes,
                         overlap=config.overlap, schedule=schedule)
     enter("reference run", quiet=not config.check)
-    reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy) if config.check else None
+    reference = reference_on_rank_zero(config, env, lambda: _reference(
+        config, workload, _train_step(config, workload, policy, device_mesh), policy))
     torch.manual_seed(config.seed)
     checkpointer, start, reference = _resume(config, workload.model, optimizer, reporter, reference)
     losses = []
@@ -118,11 +120,8 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
                   f"{sum(r.bytes for r in records) / len(losses) / 1e6:.3f} MB on its stage's sub-mesh")
     report = None
     if reference is not None:
-        from .check import compare_runs
-
-        state = step.state_dict(workload.model, optimizer, workload.batch)
-        report = compare_runs(reference, losses, state, step.grads())
-        reporter.check(report)
+        report = compare_on_rank_zero(reference, losses, step.state_dict(workload.model, optimizer, workload.batch),
+                                      step.grads(), reporter)
     if config.summary_path is not None and env.rank == 0:
         from pathlib import Path
 

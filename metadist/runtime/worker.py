@@ -10,6 +10,7 @@ it, run K steps, report loss, time and bytes per collective; with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -191,10 +192,10 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     plan = compiled.plan
     log.info("rank %d: captured %d nodes, plan %s", env.rank, len(torch_step.graph.nodes), plan_hash)
     enter("reference run", quiet=not config.check)
-    reference = None
-    if config.check:  # the step as captured above (with its gradients) runs on one device, unless a GradScaler needs its own
-        reused = torch_step if compare_grads and torch_step.scaler is None else None
-        reference = _reference(config, workload, _train_step(config, workload, policy, device_mesh), policy, reused)
+    # the step as captured above (with its gradients) runs on one device, unless a GradScaler needs its own
+    reused = torch_step if compare_grads and torch_step.scaler is None else None
+    reference = reference_on_rank_zero(config, env, lambda: _reference(
+        config, workload, _train_step(config, workload, policy, device_mesh), policy, reused))
     reporter.plan(plan, plan_hash, compiled.program)
     torch.manual_seed(config.seed)
     compiled.prepare(workload.model, optimizer, workload.batch)
@@ -221,15 +222,84 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.solver_estimate(plan, compiled.comm_records(), len(losses))
     report = None
     if reference is not None:
-        from .check import compare_runs
-
-        report = compare_runs(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None)
-        reporter.check(report)
+        report = compare_on_rank_zero(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None,
+                                      reporter)
     if config.summary_path is not None and env.rank == 0:
         _write_summary(config, workload, parameters, plan, torch_step.graph, losses, report, phase_times)
     if report is not None:
         report.raise_if_failed()
     return 0
+
+
+ON_RANK_ZERO = object()
+"""The ``--check`` reference of ranks other than 0: rank 0 runs the single-device steps and compares (one copy of the
+work, not one per rank); the others take part in gathering the distributed state."""
+
+
+@contextlib.contextmanager
+def local_cores():
+    """Rank 0's intra-op threads raised to the cores its host's ranks share, while those ranks wait for it.
+
+    torchrun gives each of a host's N ranks ``OMP_NUM_THREADS`` threads (1 by default); during the reference run and
+    the comparison the other ranks only wait (:func:`wait_for_rank_zero`, or they have finished), so rank 0 may use
+    N times its threads, up to the cores it may run on. The count is restored after.
+    """
+    import os
+
+    before = torch.get_num_threads()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(before, min(cores, before * local)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def reference_on_rank_zero(config: WorkerConfig, env, run):
+    """``--check``'s reference run, ``run()``, on rank 0 with its host's cores; :data:`ON_RANK_ZERO` on the other
+    ranks; None without ``--check``. Every rank returns once rank 0 has it."""
+    if not config.check:
+        return None
+    reference = ON_RANK_ZERO
+    if config.checkpoint_dir is not None:
+        from .checkpointer import Checkpointer
+
+        if Checkpointer(config.checkpoint_dir).latest():  # the run resumes: it compares nothing (see _resume)
+            return reference
+    if env.rank == 0:
+        with local_cores():
+            reference = run()
+    wait_for_rank_zero(config.timeout_s)
+    return reference
+
+
+def compare_on_rank_zero(reference, losses, state, grads, reporter):
+    """Rank 0's comparison of the run with the reference (reported); None on the other ranks. ``state`` and ``grads``
+    are gathered by every rank (collectives) before this."""
+    if reference is ON_RANK_ZERO:
+        return None
+    from .check import compare_runs
+
+    with local_cores():
+        report = compare_runs(reference, losses, state, grads)
+    reporter.check(report)
+    return report
+
+
+def wait_for_rank_zero(timeout_s: float) -> None:
+    """Every rank waits here for rank 0's reference run, on a gloo group of its own with a day's timeout.
+
+    The run's collectives time out after ``--timeout-s`` so a dead rank does not hang the others; a reference run may
+    legitimately take longer than that, and rank 0 is alive while it runs (torchelastic ends the group if it dies).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 24 * 3600.0)))
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
 
 
 def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph, losses, report, phase_times) -> None:
@@ -264,6 +334,8 @@ def _resume(config: WorkerConfig, model, optimizer, reporter, reference, scaler=
 
         raise RunInputError(f"the newest checkpoint in {config.checkpoint_dir!r} is at step {start}, past --steps "
                             f"{config.steps}; raise --steps or use another --checkpoint-dir")
+    if not start and reference is ON_RANK_ZERO and torch.distributed.get_rank() == 0:
+        raise RuntimeError("internal: --check found a checkpoint to resume from, then started from the first step")
     if start and reference is not None:
         reporter.note(f"resumed at step {start}: --check compares runs from the first step, so it is skipped")
         reference = None
