@@ -113,6 +113,21 @@ def test_check_tolerances_and_report():
         compare_runs(reference, [1.0], {"v": torch.zeros(3)}, reference.grads)
 
 
+def test_check_compares_integers_float64_and_float32_to_the_tolerance():
+    grads = {"w": torch.tensor([0.5, 0.5])}
+    counter = ReferenceRun((1.0,), {"step": torch.tensor(12, dtype=torch.int64), "w": torch.ones(2)}, grads)
+    off_by_one = compare_runs(counter, [1.0], {"step": torch.tensor(11, dtype=torch.int64), "w": torch.ones(2)}, grads)
+    assert not off_by_one.ok and off_by_one.worst().name == "state:step" and off_by_one.worst().max_abs == 1.0
+    wide = ReferenceRun((1.0,), {"w": torch.tensor([1e9 + 1.0, 1.0], dtype=torch.float64)}, grads)
+    assert not compare_runs(wide, [1.0], {"w": torch.tensor([1e9 + 2e5 + 1.0, 1.0], dtype=torch.float64)}, grads).ok
+    assert compare_runs(wide, [1.0], {"w": torch.tensor([1e9 + 5e4, 1.0], dtype=torch.float64)}, grads).ok
+    # float32 at the bound's edge: 1e-4 relative plus 1e-5 passes, twice that fails
+    base = torch.tensor([3.0, -7.0, 1e-3])
+    reference = ReferenceRun((1.0,), {"w": base}, {"w": torch.ones(3)})
+    assert compare_runs(reference, [1.0], {"w": base + (1e-5 + 1e-4 * base.abs()) * 0.9}, {"w": torch.ones(3)}).ok
+    assert not compare_runs(reference, [1.0], {"w": base - (1e-5 + 1e-4 * base.abs()) * 2}, {"w": torch.ones(3)}).ok
+
+
 def test_the_reference_run_of_the_distributed_runs_own_capture_equals_a_fresh_capture():
     from metadist.frontends.torch import capture_step
     from metadist.runtime.check import reference_run
