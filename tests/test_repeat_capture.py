@@ -86,6 +86,33 @@ def test_expanded_graph_with_raw_gradients_equals_the_whole_capture(caplog):
     assert whole.loss_divisor is not None and loss_divisor_of(expanded) == whole.loss_divisor
 
 
+def test_a_library_model_with_its_default_kv_cache_expands_to_the_whole_capture(caplog):
+    """GPT-2 with the library's defaults (use_cache on): each layer's trace creates its cache's empty tensors, per-layer
+    tensor constants the expansion copies for every layer and numbers as the whole capture does."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=5, n_head=2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 32, (2, 8))
+
+    def lm_step(model, optimizer, batch):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    batch = {"input_ids": tokens, "labels": tokens}
+    with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
+        expanded = capture_repeated(lm_step, model, optimizer, batch, name="gpt2", min_layers=5)
+    assert "on 4 of its 5 layers" in caplog.text
+    whole = capture_step(lm_step, model, optimizer, batch, name="gpt2").graph
+    constants = [gi.value.name for gi in whole.inputs if gi.role.value == "constant"]
+    assert len(constants) >= 5  # the cache's tensors of every layer
+    assert expanded == whole
+
+
 def test_a_raw_gradient_capture_of_a_library_model_has_canonical_names():
     """Copies dropped from the gradient outputs leave no gaps in the numbering (a few captured layers expand to it)."""
     from metadist.ir.expand import canonical_names

@@ -31,10 +31,11 @@ must give back the capture itself, layer 2 included
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .graph import STATE_ROLES, Arg, Graph, GraphInput, GraphOutput, IRError, Node, Value, ValueRef
+from .graph import STATE_ROLES, Arg, Graph, GraphInput, GraphOutput, IRError, Node, Role, Value, ValueRef
 
 __all__ = ["CAPTURED_LAYERS", "ExpansionError", "canonical_names", "expand_layers", "op_base_name"]
 
@@ -217,6 +218,9 @@ class _Expansion:
                 if value is not None:
                     self.made_by[value.name] = (index, slot)
         self.input_layer = {gi.value.name: layers.of(gi.value.name) for gi in graph.inputs}
+        self.constants = _layer_constants(graph, self.where)
+        """Captured label -> its layer's tensor constants in input order (what each layer's trace created)."""
+        self.constant_of = {name: (label, index) for label, names in self.constants.items() for index, name in enumerate(names)}
 
     # -- where a layer's copy of a node lives
     def _layer_of_label(self, label: int) -> int:
@@ -248,6 +252,9 @@ class _Expansion:
         input_layer = self.input_layer.get(name)
         if input_layer is not None:
             return self.layers.moved(name, self._shift(layer, label, input_layer, name))
+        if name in self.constant_of:
+            owner, index = self.constant_of[name]
+            return self._constant(index, self._shift(layer, label, owner, name))
         made = self.made_by.get(name)
         where = None if made is None else self.where.get(made[0])
         if where is None:
@@ -259,6 +266,14 @@ class _Expansion:
         if value is None:
             raise ExpansionError(f"{name} maps to output {slot} of {target.name}, which that node does not make")
         return value.name + suffix
+
+    def _constant(self, index: int, layer: int) -> str:
+        """The name of the ``index``-th tensor constant of ``layer`` (a middle layer's: layer 1's, suffixed)."""
+        if layer == 0 or layer == self.count - 1:
+            return self.constants[0 if layer == 0 else LAST][index]
+        if 0 < layer < self.count - 1:
+            return f"{self.constants[1][index]}~{layer}"
+        raise ExpansionError(f"a node reads the constants of layer {layer}, outside the {self.count} layers")
 
     def _shift(self, layer: int | None, label: int | None, target_label: int, name: str) -> int:
         if label is None:
@@ -331,11 +346,18 @@ class _Expansion:
         def emit(graph_input: GraphInput, layer, captured) -> GraphInput:
             if captured is None:
                 return graph_input
+            if graph_input.value.name in self.constant_of:  # renumbered with the others by expand_layers
+                name = self._constant(self.constant_of[graph_input.value.name][1], layer)
+                return GraphInput(Value(name, graph_input.value.spec), graph_input.role, graph_input.source)
             value = Value(self.layers.moved(graph_input.value.name, layer), graph_input.value.spec)
             source = self.layers.moved(graph_input.source, layer) if self.layers.of(graph_input.source) is not None else graph_input.source
             return GraphInput(value, graph_input.role, source)
 
-        return self._repeat(self.graph.inputs, lambda gi: self.input_layer[gi.value.name], emit)
+        def layer_of(graph_input: GraphInput) -> int | None:
+            owner = self.constant_of.get(graph_input.value.name)
+            return self.input_layer[graph_input.value.name] if owner is None else owner[0]
+
+        return self._repeat(self.graph.inputs, layer_of, emit)
 
     def outputs(self) -> list[GraphOutput]:
         def layer_of(output: GraphOutput) -> int | None:
@@ -355,6 +377,54 @@ class _Expansion:
         return self._repeat(self.graph.outputs, layer_of, emit)
 
 
+_CONSTANT_NAME = re.compile(r"const:_tensor_constant(\d+)$")
+
+
+def _layer_constants(graph: Graph, where: dict[int, tuple[int, int, int]]) -> dict[int, list[str]]:
+    """Each captured label's tensor constants: those read only by the runs of that label (a layer's trace created
+    them, as a KV cache's empty tensors); constants read elsewhere are shared and stay as they are."""
+    readers: dict[str, set] = {gi.value.name: set() for gi in graph.inputs if gi.role is Role.CONSTANT}
+    for position, node in enumerate(graph.nodes):
+        for name in node.input_names:
+            if name in readers:
+                found = where.get(position)
+                readers[name].add(None if found is None else found[1])
+    owned: dict[int, list[str]] = {label: [] for label in range(CAPTURED_LAYERS)}
+    for gi in graph.inputs:
+        labels = readers.get(gi.value.name)
+        if labels is not None and len(labels) == 1 and None not in labels:
+            owned[next(iter(labels))].append(gi.value.name)
+    counts = {label: len(names) for label, names in owned.items()}
+    if len(set(counts.values())) > 1:
+        raise ExpansionError(f"the captured layers create different numbers of tensor constants ({counts})")
+    return owned if any(counts.values()) else {}
+
+
+def _renumber_constants(graph: Graph) -> Graph:
+    """Tensor constants named ``const:_tensor_constant<N>`` by their order among the inputs, as a whole capture names
+    them (the trace numbers constants as it creates them, layer by layer)."""
+    renamed, inputs, number = {}, [], 0
+    for gi in graph.inputs:
+        if gi.role is Role.CONSTANT and (_CONSTANT_NAME.match(gi.value.name) or "~" in gi.value.name):
+            name = f"const:_tensor_constant{number}"
+            renamed[gi.value.name] = name
+            number += 1
+            gi = GraphInput(Value(name, gi.value.spec), gi.role, name.removeprefix("const:"))
+        inputs.append(gi)
+    if not renamed:
+        return graph
+    nodes = tuple(_renamed_node(node, node.name, renamed) for node in graph.nodes)
+    outputs = tuple(replace(output, name=renamed.get(output.name, output.name)) for output in graph.outputs)
+    return Graph(inputs=tuple(inputs), nodes=nodes, outputs=outputs, name=graph.name)
+
+
+def _check_constant_order(graph: Graph) -> None:
+    numbers = [int(match.group(1)) for gi in graph.inputs if gi.role is Role.CONSTANT
+               and (match := _CONSTANT_NAME.match(gi.value.name))]
+    if numbers != sorted(numbers):
+        raise ExpansionError("the capture's tensor constants are not in the order the trace created them")
+
+
 def expand_layers(graph: Graph, prefix: str, layers: int, base_of: Callable[[str], str] = op_base_name) -> Graph:
     """The graph of ``layers`` layers from ``graph``, captured with the first :data:`CAPTURED_LAYERS` of them.
 
@@ -368,7 +438,8 @@ def expand_layers(graph: Graph, prefix: str, layers: int, base_of: Callable[[str
         raise ExpansionError(f"the graph's inputs under {prefix!r} belong to layers {found}, not the {CAPTURED_LAYERS} captured ones")
     if layers < len(TEMPLATE_LABELS):
         raise ExpansionError(f"cannot expand {CAPTURED_LAYERS} captured layers to {layers}")
+    _check_constant_order(graph)
     expansion = _Expansion(graph, layers_of, layers)
     expanded = Graph(inputs=tuple(expansion.inputs()), nodes=tuple(expansion.nodes()), outputs=tuple(expansion.outputs()),
                      name=graph.name)
-    return canonical_names(expanded, base_of)[0]
+    return canonical_names(_renumber_constants(expanded), base_of)[0]
