@@ -228,8 +228,9 @@ def plan_resharding(
     source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
     if source == target:
         return ()
+    origin = (0,) * mesh.ndim
     steps = _build(global_shape, itemsize, source, target, mesh, coords, what)
-    bounds = _build(global_shape, itemsize, source, target, mesh, (0,) * mesh.ndim, what)
+    bounds = steps if tuple(coords) == origin else _build(global_shape, itemsize, source, target, mesh, origin, what)
     if [step.kind for step in steps] != [step.kind for step in bounds]:  # pragma: no cover - kinds never read coordinates
         raise LoweringError(f"internal: resharding {what} takes other steps at coordinates {tuple(coords)} than at 0")
     return tuple(replace(step, bound_shape_in=bound.local_shape_in, bound_shape_out=bound.local_shape_out)

@@ -104,6 +104,28 @@ def node_compute_s(graph: Graph, node_name: str, strategy: NodeStrategy, cluster
     return compute_seconds(node_work(graph, node), in_specs, out_specs, strategy, cluster.mesh, cluster.device)
 
 
+def total_compute_s(graph: Graph, assignment: Assignment, cluster: Cluster) -> float:
+    """The sum of :func:`node_compute_s` over the assignment's nodes, each distinct (work, specs, strategy) priced once.
+
+    A deep model's layers repeat the same nodes under the same strategies, so most nodes hit: the key is the
+    strategy object's identity (the assignment holds every strategy for the call, so an identity is never reused
+    within it) with the node's work and specs, which are all :func:`.compute_seconds` reads besides the cluster.
+    """
+    seconds: dict[tuple, float] = {}
+    total = 0.0
+    for name, strategy in assignment.node_strategies.items():
+        node = graph.node(name)
+        in_specs = tuple(graph.value(value).spec for value in node.input_names)
+        out_specs = tuple(value.spec if value else None for value in node.outputs)
+        work = node_work(graph, node)
+        key = (id(strategy), work, in_specs, out_specs)
+        found = seconds.get(key)
+        if found is None:
+            found = seconds[key] = compute_seconds(work, in_specs, out_specs, strategy, cluster.mesh, cluster.device)
+        total += found
+    return total
+
+
 def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dict[str, Any]:
     """The per-device memory curve's peak, where it is, and its make-up by category."""
     produced = value_shardings(graph, assignment)
@@ -133,7 +155,7 @@ def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dic
 
 def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, bucketing: Bucketing | None = None) -> dict[str, Any]:
     """Step time (compute + communication, no overlap assumed) and memory per device."""
-    compute_s = sum(node_compute_s(graph, name, st, cluster) for name, st in assignment.node_strategies.items())
+    compute_s = total_compute_s(graph, assignment, cluster)
     comm = communication(graph, assignment, cluster, bucketing)
     comm_s = sum(comm["comm_s_by_axis"].values())
     result: dict[str, Any] = {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s}
