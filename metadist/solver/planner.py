@@ -17,7 +17,7 @@ from ..ir import Graph, Rule
 from ..ir.plan import Plan, graph_fingerprint
 from .beam import beam_search
 from .errors import InfeasibleBudgetError, SolverError
-from .estimate import Assignment, estimate, node_compute_s
+from .estimate import Assignment, estimate, node_compute_s, node_facts
 from .explain import explanation_data
 from .ilp import ShardingILP, Solution
 from .problem import Problem, Restrictions, build_problem, final_output_sharding, with_peaks
@@ -206,7 +206,7 @@ class _Estimates:
     """
 
     def __init__(self, problem: Problem) -> None:
-        self.problem, self.by_choice = problem, {}
+        self.problem, self.by_choice, self.facts = problem, {}, node_facts(problem.graph)
 
     def figures(self, choice: Mapping[int, int]) -> dict[str, Any]:
         key = tuple(sorted(choice.items()))
@@ -214,7 +214,7 @@ class _Estimates:
         if figures is None:
             problem = self.problem
             figures = self.by_choice[key] = estimate(problem.graph, assignment_from(problem, choice), problem.cluster,
-                                                     problem.liveness, problem.bucketing)
+                                                     problem.liveness, problem.bucketing, self.facts)
         return figures
 
     def step_s(self, choice: Mapping[int, int]) -> float:
