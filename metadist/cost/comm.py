@@ -115,19 +115,40 @@ def reshard(spec: TensorSpec, src: Sequence, dst: Sequence, cluster: Cluster, fi
     (padding of uneven pieces included). ``fixed_share``: the share of each collective's fixed cost paid when it runs
     bucketed (1: alone).
     """
-    if tuple(src) == tuple(dst):
+    src, dst = tuple(src), tuple(dst)
+    if src == dst:
         return NO_RESHARDING
-    from ..lowering.reshard import COLLECTIVE_KINDS, plan_resharding
-
     mesh = cluster.mesh
-    steps = plan_resharding(spec.shape, spec.itemsize, src, dst, mesh, (0,) * mesh.ndim, what=f"a {spec} value")
     collectives = []
-    for step in steps:
-        if step.kind not in COLLECTIVE_KINDS:
-            continue
-        seconds, sent = priced_collective(step.kind, step.comm_bytes, mesh.shape[step.axis], cluster.link(step.axis), fixed_share)
-        collectives.append(Collective(kind=step.kind, axis=step.axis, comm_bytes=sent, comm_s=seconds))
+    for kind, axis, comm_bytes in resharding_collectives(spec, src, dst, mesh):
+        seconds, sent = priced_collective(kind, comm_bytes, mesh.shape[axis], cluster.link(axis), fixed_share)
+        collectives.append(Collective(kind=kind, axis=axis, comm_bytes=sent, comm_s=seconds))
     return Resharding(tuple(collectives))
+
+
+def resharding_collectives(spec: TensorSpec, src: tuple, dst: tuple, mesh) -> tuple[tuple[str, int, int], ...]:
+    """(kind, axis, ring bytes sent per rank) of each collective step of the lowering's resharding, on the rank at 0.
+
+    The steps depend only on the shape, item size, both shardings and the mesh, so they are planned once per such
+    key and kept (:data:`_STEPS`, at most :data:`_STEPS_KEPT` keys): a planning pass asks for the same few thousand
+    reshardings tens of thousands of times (every repeated layer, every baseline's estimate). A resharding the
+    lowering rejects raises each time it is asked (errors are not kept).
+    """
+    key = (spec.shape, spec.itemsize, tuple(src), tuple(dst), mesh)
+    steps = _STEPS.get(key)
+    if steps is None:
+        from ..lowering.reshard import COLLECTIVE_KINDS, plan_resharding
+
+        planned = plan_resharding(spec.shape, spec.itemsize, src, dst, mesh, (0,) * mesh.ndim, what=f"a {spec} value")
+        steps = tuple((step.kind, step.axis, step.comm_bytes) for step in planned if step.kind in COLLECTIVE_KINDS)
+        if len(_STEPS) >= _STEPS_KEPT:
+            _STEPS.clear()
+        _STEPS[key] = steps
+    return steps
+
+
+_STEPS_KEPT = 1 << 17
+_STEPS: dict[tuple, tuple[tuple[str, int, int], ...]] = {}
 
 
 def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, fixed_share: float = 1.0) -> tuple[float, float]:

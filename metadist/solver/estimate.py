@@ -38,7 +38,28 @@ def value_shardings(graph: Graph, assignment: Assignment) -> dict[str, tuple]:
     return produced
 
 
-def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], bucketing: Bucketing):
+class _ShardingNumbers:
+    """A small int per distinct sharding (equal shardings, one number), looked up by identity first.
+
+    Hashing a sharding hashes each placement dataclass; the strategies share their sharding objects, so an
+    identity hit saves that. Each identity entry holds its object, so an identity is never reused while kept.
+    """
+
+    def __init__(self) -> None:
+        self.by_identity: dict[int, tuple[int, Any]] = {}
+        self.by_value: dict[tuple, int] = {}
+
+    def __call__(self, sharding) -> int:
+        hit = self.by_identity.get(id(sharding))
+        if hit is not None:
+            return hit[0]
+        number = self.by_value.setdefault(tuple(sharding), len(self.by_value))
+        self.by_identity[id(sharding)] = (number, sharding)
+        return number
+
+
+def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], bucketing: Bucketing,
+           numbering: _ShardingNumbers | None = None):
     """(spec, source sharding, needed sharding, fixed-cost share) of every resharding the runtime runs.
 
     As the lowering does (:meth:`metadist.lowering.program._Lowering.use`), a value resharded to one sharding is
@@ -47,10 +68,11 @@ def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], 
     """
     from .problem import final_output_sharding
 
-    seen: set[tuple[str, tuple]] = set()
+    seen: set[tuple[str, int]] = set()
+    number = numbering if numbering is not None else _ShardingNumbers()
 
     def first(name: str, needed) -> bool:
-        key = (name, tuple(needed))
+        key = (name, number(needed))
         if key in seen:
             return False
         seen.add(key)
@@ -67,10 +89,15 @@ def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], 
             yield graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER)
 
 
-def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucketing: Bucketing | None = None) -> dict[str, Any]:
-    """Seconds and bytes per mesh axis, and collectives by kind (bucketed edges: see :mod:`metadist.cost.bucketing`)."""
+def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucketing: Bucketing | None = None,
+                  produced: Mapping[str, tuple] | None = None) -> dict[str, Any]:
+    """Seconds and bytes per mesh axis, and collectives by kind (bucketed edges: see :mod:`metadist.cost.bucketing`).
+
+    ``produced``: :func:`value_shardings` of the assignment, where the caller has it.
+    """
     bucketing = bucketing_for(graph) if bucketing is None else bucketing
-    produced = value_shardings(graph, assignment)
+    produced = value_shardings(graph, assignment) if produced is None else produced
+    number = _ShardingNumbers()
     names = cluster.mesh.axis_names
     comm_s = {name: 0.0 for name in names}
     comm_bytes = {name: 0.0 for name in names}
@@ -86,8 +113,8 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
                     comm_s[names[axis]] += seconds
                     comm_bytes[names[axis]] += sent
                     kinds["halo_exchange"] = kinds.get("halo_exchange", 0) + 1
-    for spec, src, dst, share in _edges(graph, assignment, produced, bucketing):
-        key = (spec, src, dst, share)
+    for spec, src, dst, share in _edges(graph, assignment, produced, bucketing, number):
+        key = (spec, number(src), number(dst), share)
         if key not in cache:
             cache[key] = reshard(spec, src, dst, cluster, share)
         for collective in cache[key].collectives:
@@ -104,9 +131,46 @@ def node_compute_s(graph: Graph, node_name: str, strategy: NodeStrategy, cluster
     return compute_seconds(node_work(graph, node), in_specs, out_specs, strategy, cluster.mesh, cluster.device)
 
 
-def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dict[str, Any]:
-    """The per-device memory curve's peak, where it is, and its make-up by category."""
-    produced = value_shardings(graph, assignment)
+NodeFacts = Mapping[str, tuple]
+"""Per node name: (signature, work, input specs, output specs); equal signatures, equal (work, specs)."""
+
+
+def node_facts(graph: Graph) -> NodeFacts:
+    """What pricing a node's compute reads of the graph (:func:`.compute_seconds` besides the strategy and cluster)."""
+    signatures: dict[tuple, int] = {}
+    facts = {}
+    for node in graph.nodes:
+        in_specs = tuple(graph.value(value).spec for value in node.input_names)
+        out_specs = tuple(value.spec if value else None for value in node.outputs)
+        work = node_work(graph, node)
+        signature = signatures.setdefault((work, in_specs, out_specs), len(signatures))
+        facts[node.name] = (signature, work, in_specs, out_specs)
+    return facts
+
+
+def total_compute_s(graph: Graph, assignment: Assignment, cluster: Cluster, facts: NodeFacts | None = None) -> float:
+    """The sum of :func:`node_compute_s` over the assignment's nodes, each distinct (strategy, work, specs) priced once.
+
+    A deep model's layers repeat the same nodes under the same strategies, so most nodes hit: the key is the
+    strategy object's identity (the assignment holds every strategy for the call, so an identity is never reused
+    within it) with the node's signature in ``facts`` (:func:`node_facts`, computed here if not given).
+    """
+    facts = node_facts(graph) if facts is None else facts
+    seconds: dict[tuple, float] = {}
+    total = 0.0
+    for name, strategy in assignment.node_strategies.items():
+        signature, work, in_specs, out_specs = facts[name]
+        key = (id(strategy), signature)
+        found = seconds.get(key)
+        if found is None:
+            found = seconds[key] = compute_seconds(work, in_specs, out_specs, strategy, cluster.mesh, cluster.device)
+        total += found
+    return total
+
+
+def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives, produced: Mapping[str, tuple] | None = None) -> dict[str, Any]:
+    """The per-device memory curve's peak, where it is, and its make-up by category (``produced``: see :func:`communication`)."""
+    produced = value_shardings(graph, assignment) if produced is None else produced
     end = len(graph.nodes)
     delta = [0.0] * (end + 3)
     sizes = {}
@@ -131,12 +195,17 @@ def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives) -> dic
     }
 
 
-def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, bucketing: Bucketing | None = None) -> dict[str, Any]:
-    """Step time (compute + communication, no overlap assumed) and memory per device."""
-    compute_s = sum(node_compute_s(graph, name, st, cluster) for name, st in assignment.node_strategies.items())
-    comm = communication(graph, assignment, cluster, bucketing)
+def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, bucketing: Bucketing | None = None,
+             facts: "NodeFacts | None" = None) -> dict[str, Any]:
+    """Step time (compute + communication, no overlap assumed) and memory per device.
+
+    ``facts``: :func:`node_facts` of ``graph``, for a caller that estimates many assignments of one graph.
+    """
+    compute_s = total_compute_s(graph, assignment, cluster, facts)
+    produced = value_shardings(graph, assignment)
+    comm = communication(graph, assignment, cluster, bucketing, produced)
     comm_s = sum(comm["comm_s_by_axis"].values())
     result: dict[str, Any] = {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s}
     result.update(comm)
-    result.update(memory(graph, assignment, cluster, lives))
+    result.update(memory(graph, assignment, cluster, lives, produced))
     return result

@@ -17,7 +17,7 @@ from ..ir import Graph, Rule
 from ..ir.plan import Plan, graph_fingerprint
 from .beam import beam_search
 from .errors import InfeasibleBudgetError, SolverError
-from .estimate import Assignment, estimate, node_compute_s
+from .estimate import Assignment, estimate, node_compute_s, node_facts
 from .explain import explanation_data
 from .ilp import ShardingILP, Solution
 from .problem import Problem, Restrictions, build_problem, final_output_sharding, with_peaks
@@ -79,9 +79,10 @@ def plan_graph(
             if round_index:
                 logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
                 problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
-            solution = _solve(problem, budget, solver, time_limit_s, beam_width)
+            estimates = _Estimates(problem)
+            solution = _solve(problem, budget, solver, time_limit_s, beam_width, estimates)
             assignment = assignment_from(problem, solution.choice)
-            figures = estimate(graph, assignment, cluster, problem.liveness, problem.bucketing)
+            figures = estimates.figures(solution.choice)
             position = figures["memory_peak_position"]
             if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
                 break
@@ -182,46 +183,67 @@ def check_device_dtypes(graph: Graph, cluster: Cluster) -> None:
         )
 
 
-def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: float, beam_width: int) -> Solution:
+def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: float, beam_width: int,
+           estimates: "_Estimates | None" = None) -> Solution:
+    estimates = _Estimates(problem) if estimates is None else estimates
     if solver == "beam":
         solution = beam_search(problem, budget, beam_width)
     else:
         ilp = ShardingILP(problem, budget)
         solution = ilp.solve(time_limit_s)
-        if solution is not None and (solution.stats.get("mip_gap") != 0.0 or _shares_reshardings(problem, solution)):
-            solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s)
+        if solution is not None and (solution.stats.get("mip_gap") != 0.0 or _shares_reshardings(solution, estimates)):
+            solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s, estimates)
     if solution is None:
         raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s))
     return solution
 
 
-def _true_step_s(problem: Problem, choice: Mapping[int, int]) -> float:
-    """The step time of a choice as the runtime runs it (:func:`.estimate.estimate`: a resharding shared by readers once)."""
-    assignment = assignment_from(problem, choice)
-    return estimate(problem.graph, assignment, problem.cluster, problem.liveness, problem.bucketing)["step_s"]
+class _Estimates:
+    """:func:`.estimate.estimate` of each choice of one problem, computed once per choice.
+
+    The planner prices its plan's choice up to three times (is a resharding shared? is a baseline cheaper? the
+    plan's figures) and a baseline's restricted solve often lands on a choice already priced.
+    """
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem, self.by_choice, self.facts = problem, {}, node_facts(problem.graph)
+
+    def figures(self, choice: Mapping[int, int]) -> dict[str, Any]:
+        key = tuple(sorted(choice.items()))
+        figures = self.by_choice.get(key)
+        if figures is None:
+            problem = self.problem
+            figures = self.by_choice[key] = estimate(problem.graph, assignment_from(problem, choice), problem.cluster,
+                                                     problem.liveness, problem.bucketing, self.facts)
+        return figures
+
+    def step_s(self, choice: Mapping[int, int]) -> float:
+        """The step time of a choice as the runtime runs it (a resharding shared by readers once)."""
+        return self.figures(choice)["step_s"]
 
 
-def _shares_reshardings(problem: Problem, solution: Solution) -> bool:
+def _shares_reshardings(solution: Solution, estimates: _Estimates) -> bool:
     """True when the ILP's edge-by-edge objective counts a resharding that several readers share more than once."""
-    return solution.objective_s > _true_step_s(problem, solution.choice) * (1 + 1e-9)
+    return solution.objective_s > estimates.step_s(solution.choice) * (1 + 1e-9)
 
 
-def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solution, time_limit_s: float) -> Solution:
+def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solution, time_limit_s: float,
+                             estimates: _Estimates) -> Solution:
     """The search's plan, or a baseline's layout (data parallel, ZeRO, Megatron) solved on the same problem where it costs less.
 
     Run when the search is not proven optimal (a rounded relaxation within its accepted gap, or branch and bound
     stopped at the time limit), or when its plan has a resharding that several readers share (the ILP prices every
     edge, so it overprices such plans: its optimum is then not proven optimal for the runtime). A baseline is the
     problem with its inputs' layouts fixed; plans are compared by their step time as the runtime runs them
-    (:func:`_true_step_s`). ``solver['baselines_checked']`` has the baselines' seconds.
+    (:meth:`_Estimates.step_s`). ``solver['baselines_checked']`` has the baselines' seconds.
     """
     from .baselines import BASELINES, baseline_choices
 
-    best, best_s, checked = solution, _true_step_s(problem, solution.choice), {}
+    best, best_s, checked = solution, estimates.step_s(solution.choice), {}
     for kind in BASELINES:
         allowed = baseline_choices(problem, kind)
         candidate = None if allowed is None else ilp.restricted(allowed, time_limit_s)
-        candidate_s = None if candidate is None else _true_step_s(problem, candidate.choice)
+        candidate_s = None if candidate is None else estimates.step_s(candidate.choice)
         checked[kind] = None if candidate_s is None else round(candidate_s, 9)
         if candidate_s is not None and candidate_s < best_s * (1 - 1e-9):
             best, best_s = Solution(candidate.choice, candidate.objective_s,
