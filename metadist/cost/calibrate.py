@@ -102,6 +102,15 @@ def _kind_costs(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> 
     return tuple(costs)
 
 
+def eager_op_overhead(figures: Mapping[str, float]) -> float:
+    """Seconds per captured node that the same step costs when torch runs it eagerly (``eager_step_s``), beyond the
+    rooflines: what a baseline running the model itself (torch DDP, FSDP) pays per node of the captured graph. 0
+    without the figure."""
+    if "eager_step_s" not in figures or "captured_nodes" not in figures:
+        return 0.0
+    return max((float(figures["eager_step_s"]) - float(figures["captured_roofline_s"])) / float(figures["captured_nodes"]), 0.0)
+
+
 def runtime_op_overhead(figures: Mapping[str, float]) -> float:
     """Seconds per node the runtime spends beyond the rooflines, from the worker's device figures.
 
@@ -149,6 +158,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         peak_flops_per_s=report["device"]["peak_flops_per_s"],
         memory_bandwidth_bytes_per_s=report["device"]["memory_bandwidth_bytes_per_s"],
         op_overhead_s=runtime_op_overhead(figures),
+        eager_op_overhead_s=eager_op_overhead(figures),
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
     )
@@ -174,7 +184,9 @@ def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0) ->
         logger.info("running %s", " ".join(command))
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=_fresh_launch_env())
         if done.returncode != 0 or not out.exists():
-            tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])
+            lines = (done.stderr or done.stdout).splitlines()
+            errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line][-3:]  # the ranks' own errors
+            tail = "\n".join(errors + lines[-15:])
             raise ClusterError(f"the calibration workers failed (exit status {done.returncode}):\n{tail}")
         return json.loads(out.read_text())
 
@@ -220,10 +232,11 @@ def machine_fingerprint() -> dict[str, Any]:
 
 
 def calibration_key(nproc: int, backend: str, torch_version: str, fingerprint: Mapping[str, Any] | None = None) -> str:
-    """The cache key of a calibration: machine fingerprint, torch version, backend, process count."""
+    """The cache key of a calibration: machine fingerprint, torch version, backend, process count, and the calibration
+    version (a version's files never meet another's: an older MetaDist keeps reading its own)."""
     fingerprint = machine_fingerprint() if fingerprint is None else fingerprint
     text = json.dumps({"machine": fingerprint, "torch": torch_version, "backend": backend, "nproc": nproc}, sort_keys=True)
-    return f"{backend}-{nproc}proc-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return f"{backend}-{nproc}proc-v{CALIBRATION_VERSION}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def calibration_path(cache_dir: Path, nproc: int, backend: str = "gloo") -> Path:

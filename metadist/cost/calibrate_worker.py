@@ -143,7 +143,7 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
 
 
-_SECONDS = frozenset({"op_overhead_s", "captured_step_s", "in_step_collective_s", "compute_phase_s"})
+_SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s"})
 """Figures that are times (the slowest rank has the largest); the others are rates (the smallest)."""
 
 
@@ -186,6 +186,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
       ``metadist.compile`` (every rank runs the whole step, no collective), its node count and the sum of its
       nodes' rooflines at this rank's measured rates; what the step takes beyond the rooflines is the runtime's
       fixed cost of its nodes (dispatch, dtype casts of scalar operands, copies into the capture's layouts).
+      ``eager_step_s``: the same step run eagerly by torch (fused optimizer kernels, Python-float scalars), what
+      a baseline that runs the model itself (torch DDP, FSDP) pays for the same nodes.
     - ``compute_phase_s``, ``in_step_collective_s``: a phase of tiny ops alone, and the same phase followed by a
       4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
       for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
@@ -214,7 +216,15 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     cluster = Cluster(mesh=mesh, device=device, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),))
     roofline_s = sum(node_compute_s(graph, name, strategy, cluster) for name, strategy in plan.node_strategies.items())
 
-    figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s}
+    torch.manual_seed(0)
+    eager_model = _CalibrationMLP()  # the same initial weights (the compiled step's model now holds DTensors)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    for _ in range(3):
+        _calibration_step(eager_model, eager_optimizer, batch)
+    dist.barrier()
+    eager_s = _median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), repeats)
+    figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
+               "eager_step_s": eager_s}
     if world > 1:
         comm = Collectives.from_device_mesh(_world_mesh(world))
         phase = _tiny_op_chain(100)

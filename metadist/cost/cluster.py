@@ -83,6 +83,10 @@ class Device:
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
+    eager_op_overhead_s: float = 0.0
+    """The fixed cost per node of the captured graph when torch runs the same step eagerly (fused optimizer kernels,
+    scalars as Python floats): what a baseline that runs the model itself (torch DDP, FSDP) pays; measured by
+    ``metadist calibrate`` on CPU, 0 (not measured) elsewhere. MetaDist's own plans pay ``op_overhead_s``."""
 
     def __post_init__(self) -> None:
         pairs = self.peak_flops_per_s_by_dtype
@@ -90,7 +94,7 @@ class Device:
         object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
         object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
         figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes, *(v for _, v in pairs))
-        if min(figures) <= 0 or not self.op_overhead_s >= 0:
+        if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0:
             raise ClusterError(f"device figures must be positive (op overhead >= 0), got {self}")
 
     def flops_per_s(self, dtype: str) -> float:
