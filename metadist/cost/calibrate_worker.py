@@ -207,8 +207,6 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     step = metadist.compile(_calibration_step, mesh=(world,), plan="replicate")
     for _ in range(3):
         step(model, optimizer, batch)
-    dist.barrier()
-    step_s = _median_seconds(lambda: step(model, optimizer, batch), repeats)
     graph, plan = step.torch_step.graph, step.plan
     mesh = Mesh((world,))
     device = Device(peak_flops_per_s=roofline["peak_flops_per_s"], memory_bandwidth_bytes_per_s=roofline["memory_bandwidth_bytes_per_s"],
@@ -222,7 +220,11 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     for _ in range(3):
         _calibration_step(eager_model, eager_optimizer, batch)
     dist.barrier()
-    eager_s = _median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), repeats)
+    captured, eager = [], []
+    for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+        captured.append(_median_seconds(lambda: step(model, optimizer, batch), 1))
+        eager.append(_median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), 1))
+    step_s, eager_s = statistics.median(captured), statistics.median(eager)
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
                "eager_step_s": eager_s}
     if world > 1:
