@@ -147,3 +147,17 @@ def test_never_lose_states_each_ratio_and_why_it_loses():
     small = replace(run, model="gpt2-small", params=124_000_000)
     big_tiny = replace(run, model="mixtral-mini", params=10_000_000)
     assert [r.model for r in sorted([big_tiny, run, small], key=run_order)] == ["gpt2-small", "mixtral-mini", "fixture"]
+
+
+def test_never_lose_names_the_measured_per_node_costs_when_the_calibration_has_them():
+    from dataclasses import replace
+
+    from metadist.bench.report import never_lose_lines
+
+    run = _fixture_run()
+    per_node = {"step_s": 0.004, "nodes": 1000, "op_overhead_s": 20e-6, "eager_op_overhead_s": 8e-6}
+    methods = tuple(replace(m, predicted={**m.predicted, **per_node}) if m.method == "metadist-ilp"
+                    else replace(m, predicted={**m.predicted, "step_s": 0.002}) if m.method == "ddp" else m for m in run.methods)
+    (line,) = never_lose_lines([replace(run, methods=methods)])
+    assert "the captured step's 1000 nodes cost 20 us each in MetaDist's runtime against 8 us eagerly" in line
+    assert "x2.5 per node, 12.0 ms a step" in line and "predicted x2.00 of ddp, measured x2.00" in line

@@ -8,7 +8,9 @@ reported is rank 0's.
 
 The cost model's estimates of the same step (MetaDist's plan and the solver's own baselines
 ``dp``, ``zero2``, ``zero3``, ``megatron``) come back with the rows, so the report can set the
-predicted communication and time next to the measured ones.
+predicted communication and time next to the measured ones. torch's DDP is priced as it runs
+(:func:`metadist.solver.baselines.torch_ddp_estimate`: eager compute, one all-reduce per gradient
+bucket), the solver's ``dp`` layout's own estimate kept as ``solver_dp_layout_step_s``.
 """
 
 from __future__ import annotations
@@ -160,7 +162,10 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     compile_s = {**planned.compile_s, "solve": solve_s, "lowering": lowering_s}
     prepared = Prepared(method, step=step, holders=(state, compiled, device_mesh), mesh_shape=tuple(ctx.mesh_shape),
                         build=build, note=expert_placement_note(planned.torch_step.graph, plan).lstrip("; "))
-    return prepared, compile_s, _estimate_summary(plan.estimate)
+    device = planned.cluster.device
+    predicted = {**_estimate_summary(plan.estimate), "nodes": len(planned.torch_step.graph.nodes),
+                 "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
+    return prepared, compile_s, predicted
 
 
 def _recomputing(planned: Planned) -> tuple[Planned, Any, tuple[int, ...]]:
@@ -214,6 +219,11 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
             predictions[name] = {"error": str(err)}
             continue
         predictions[name] = _estimate_summary(plan.estimate)
+        if kind == "dp":  # torch's DDP is measured: priced as it runs (eager compute, bucketed gradient all-reduces)
+            from ..solver.baselines import torch_ddp_estimate
+
+            predictions[name] = {**_estimate_summary(torch_ddp_estimate(planned.torch_step.graph, planned.cluster, plan.estimate)),
+                                 "solver_dp_layout_step_s": predictions[name]["step_s"]}
     return predictions
 
 

@@ -46,15 +46,16 @@ def run(args: argparse.Namespace) -> int:
         save_calibration(cached, report, args.nproc)
     console = Console()
     table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}")
-    for column in ("axis", "size", "per call", "latency per step", "bandwidth", "reduce-scatter"):
+    for column in ("axis", "size", "per call", "in-step wait", "latency per step", "bandwidth", "reduce-scatter"):
         table.add_column(column, justify="right")
     for name, size, link in zip(mesh.axis_names, mesh.shape, cluster.axis_links):
-        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.latency_s * 1e6:.1f} us",
+        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.sync_s * 1e6:.1f} us", f"{link.latency_s * 1e6:.1f} us",
                       f"{human_bytes(link.bandwidth_bytes_per_s)}/s", "as all-reduce" if link.reduce_scatter_as_all_reduce else "ring")
     console.print(table)
     device = cluster.device
     console.print(f"device (slowest process, all computing at once): {device.peak_flops_per_s / 1e9:.1f} GFLOP/s matmul, "
-                  f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per op, "
+                  f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per node "
+                  f"in the runtime ({device.eager_op_overhead_s * 1e6:.1f} us eager), "
                   f"{human_bytes(device.memory_capacity_bytes)} capacity", markup=False)
     if cached is not None:
         console.print(f"cached as this machine's calibration for {args.nproc} processes: {cached}", markup=False)

@@ -9,7 +9,10 @@ the overhead from alpha), and clipped to stay physical. On gloo a reduce-scatter
 of its input (:attr:`.cluster.Link.reduce_scatter_as_all_reduce`) and is fitted as one.
 
 The device figures (matmul FLOP/s, elementwise bytes/s, the fixed seconds of one op) are measured
-on every process at once, as a training step computes, and the slowest process's are kept.
+on every process at once, as a training step computes, and the slowest process's are kept. On CPU
+the fixed seconds of one op come from a small captured step run by the runtime
+(:func:`runtime_op_overhead`), and each link's ``sync_s`` from an all-reduce issued between compute
+phases (:func:`collective_sync_s`).
 
 **Cache.** :func:`machine_cluster` measures this machine the first time a CPU run or benchmark
 plans on it (one progress line, ~20 s) and keeps the report in ``<cache dir>/calibration/``, keyed
@@ -27,6 +30,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -98,16 +102,63 @@ def _kind_costs(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> 
     return tuple(costs)
 
 
+def eager_op_overhead(figures: Mapping[str, float]) -> float:
+    """Seconds per captured node that the same step costs when torch runs it eagerly (``eager_step_s``), beyond the
+    rooflines: what a baseline running the model itself (torch DDP, FSDP) pays per node of the captured graph. 0
+    without the figure."""
+    if "eager_step_s" not in figures or "captured_nodes" not in figures:
+        return 0.0
+    return max((float(figures["eager_step_s"]) - float(figures["captured_roofline_s"])) / float(figures["captured_nodes"]), 0.0)
+
+
+def runtime_op_overhead(figures: Mapping[str, float]) -> float:
+    """Seconds per node the runtime spends beyond the rooflines, from the worker's device figures.
+
+    With a timed captured step (``captured_step_s`` over ``captured_nodes`` nodes whose rooflines sum to
+    ``captured_roofline_s``): ``(step - rooflines) / nodes``, the fixed cost every node of a real rank program pays
+    (dispatch, casts of scalar operands, layout copies). Without one (a GPU, or an older report): the chain of tiny
+    ops' ``op_overhead_s``.
+    """
+    if "captured_step_s" not in figures:
+        return float(figures.get("op_overhead_s", 0.0))
+    nodes = float(figures["captured_nodes"])
+    if nodes <= 0:
+        raise ClusterError(f"the calibration's captured step has {nodes} nodes; run `metadist calibrate` again")
+    return max((float(figures["captured_step_s"]) - float(figures["captured_roofline_s"])) / nodes, 0.0)
+
+
+IN_STEP_COLLECTIVE_BYTES = 4096
+"""The buffer of the all-reduce the worker issues between compute phases (``in_step_collective_s``)."""
+
+
+def collective_sync_s(figures: Mapping[str, float], link: Link, axis_size: int) -> float:
+    """A collective's cost inside a step beyond what the isolated measurements priced (the link's ``sync_s``).
+
+    ``in_step_collective_s`` is what a small all-reduce added to a compute phase, as the runtime issues one
+    mid-step; less the link's own price of that all-reduce (fitted from collectives timed as all ranks leave a
+    barrier together), the rest is the wait for the slower peer. 0 without the figure or on one device.
+    """
+    if axis_size <= 1 or "in_step_collective_s" not in figures:
+        return 0.0
+    from .comm import collective_seconds
+
+    isolated, _ = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, axis_size, link)
+    return max(float(figures["in_step_collective_s"]) - isolated, 0.0)
+
+
 def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     """A cluster from the worker's JSON report."""
     links = []
+    figures = report["device"]
     for axis, size in enumerate(mesh.shape):
         rows = [m for m in report["measurements"] if m["axis"] == axis]
-        links.append(fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", report["backend"] == "gloo"))
+        link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", report["backend"] == "gloo")
+        links.append(replace(link, sync_s=collective_sync_s(figures, link, size)))
     device = Device(
         peak_flops_per_s=report["device"]["peak_flops_per_s"],
         memory_bandwidth_bytes_per_s=report["device"]["memory_bandwidth_bytes_per_s"],
-        op_overhead_s=float(report["device"].get("op_overhead_s", 0.0)),
+        op_overhead_s=runtime_op_overhead(figures),
+        eager_op_overhead_s=eager_op_overhead(figures),
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
     )
@@ -133,7 +184,9 @@ def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0) ->
         logger.info("running %s", " ".join(command))
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=_fresh_launch_env())
         if done.returncode != 0 or not out.exists():
-            tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])
+            lines = (done.stderr or done.stdout).splitlines()
+            errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line][-3:]  # the ranks' own errors
+            tail = "\n".join(errors + lines[-15:])
             raise ClusterError(f"the calibration workers failed (exit status {done.returncode}):\n{tail}")
         return json.loads(out.read_text())
 
@@ -159,7 +212,9 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
+"""2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
+per-collective costs); a cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:
@@ -177,10 +232,11 @@ def machine_fingerprint() -> dict[str, Any]:
 
 
 def calibration_key(nproc: int, backend: str, torch_version: str, fingerprint: Mapping[str, Any] | None = None) -> str:
-    """The cache key of a calibration: machine fingerprint, torch version, backend, process count."""
+    """The cache key of a calibration: machine fingerprint, torch version, backend, process count, and the calibration
+    version (a version's files never meet another's: an older MetaDist keeps reading its own)."""
     fingerprint = machine_fingerprint() if fingerprint is None else fingerprint
     text = json.dumps({"machine": fingerprint, "torch": torch_version, "backend": backend, "nproc": nproc}, sort_keys=True)
-    return f"{backend}-{nproc}proc-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return f"{backend}-{nproc}proc-v{CALIBRATION_VERSION}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def calibration_path(cache_dir: Path, nproc: int, backend: str = "gloo") -> Path:
@@ -209,14 +265,19 @@ def save_calibration(path: Path, report: Mapping[str, Any], nproc: int) -> None:
 
 
 def load_calibration(path: Path) -> dict[str, Any] | None:
-    """The cached report at ``path``; None when there is none. A damaged file is an error that says how to redo it."""
+    """The cached report at ``path``; None when there is none or it is of an older calibration version (measured
+    again). A damaged file, or one of another format or a newer version, is an error that says how to redo it."""
     if not path.is_file():
         return None
     try:
         document = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ClusterError(f"the cached calibration {path} cannot be read ({err}); delete it or run `metadist calibrate`") from None
-    if document.get("format") != CALIBRATION_FORMAT or document.get("version") != CALIBRATION_VERSION:
+    version = document.get("version")
+    if document.get("format") == CALIBRATION_FORMAT and isinstance(version, int) and version < CALIBRATION_VERSION:
+        logger.info("%s is a version %s calibration (this MetaDist writes version %s): measuring again", path, version, CALIBRATION_VERSION)
+        return None
+    if document.get("format") != CALIBRATION_FORMAT or version != CALIBRATION_VERSION:
         raise ClusterError(f"{path} is not a calibration of this MetaDist version; delete it or run `metadist calibrate`")
     return document["report"]
 

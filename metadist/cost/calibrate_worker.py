@@ -4,7 +4,12 @@ Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each
 process groups for several message sizes (gloo on CPU, NCCL with CUDA). Then every rank, all at
 once (as they compute in a training step, sharing the machine's cores), times float32 matmuls
 (FLOP/s), a memory-bound elementwise add (bytes/s) and a stream of tiny ops (the fixed cost of one
-op); the slowest rank's figures are kept. Rank 0 writes the measurements as JSON.
+op); the slowest rank's figures are kept. Two figures are measured through the runtime itself
+(:func:`_runtime_figures`): a small captured training step (an MLP with AdamW, compiled by
+``metadist.compile`` with every rank running the whole step) timed on every rank at once gives the
+seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
+runtime's collectives between two compute phases gives what a collective costs where a step runs
+it (the wait for the slower peer included). Rank 0 writes the measurements as JSON.
 Usage: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 metadist.cost.calibrate_worker --mesh 2x2 --out FILE``.
 """
@@ -138,8 +143,117 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
 
 
-_SECONDS = frozenset({"op_overhead_s"})
+_SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s"})
 """Figures that are times (the slowest rank has the largest); the others are rates (the smallest)."""
+
+
+class _CalibrationMLP(torch.nn.Module):
+    """Two hidden layers with a norm and a GELU: the op mix of a transformer block's forward and backward."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(32, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.second = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.gelu(self.norm(self.first(x)))
+        return self.head(torch.nn.functional.gelu(self.second(hidden)))
+
+
+def _calibration_step(model, optimizer, batch):
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _median_seconds(run, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str, float]:
+    """The runtime's own costs on this rank (every rank runs this at once).
+
+    - ``captured_step_s``, ``captured_nodes``, ``captured_roofline_s``: a small training step compiled by
+      ``metadist.compile`` (every rank runs the whole step, no collective), its node count and the sum of its
+      nodes' rooflines at this rank's measured rates; what the step takes beyond the rooflines is the runtime's
+      fixed cost of its nodes (dispatch, dtype casts of scalar operands, copies into the capture's layouts).
+      ``eager_step_s``: the same step run eagerly by torch (fused optimizer kernels, Python-float scalars), what
+      a baseline that runs the model itself (torch DDP, FSDP) pays for the same nodes.
+    - ``compute_phase_s``, ``in_step_collective_s``: a phase of tiny ops alone, and the same phase followed by a
+      4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
+      for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
+    """
+    import metadist
+    from metadist.ir import Mesh
+    from metadist.runtime.collectives import Collectives
+    from metadist.solver.estimate import node_compute_s
+
+    from .cluster import Cluster, Device, Link
+
+    torch.manual_seed(0)
+    model = _CalibrationMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+    world = dist.get_world_size()
+    step = metadist.compile(_calibration_step, mesh=(world,), plan="replicate")
+    for _ in range(3):
+        step(model, optimizer, batch)
+    graph, plan = step.torch_step.graph, step.plan
+    mesh = Mesh((world,))
+    device = Device(peak_flops_per_s=roofline["peak_flops_per_s"], memory_bandwidth_bytes_per_s=roofline["memory_bandwidth_bytes_per_s"],
+                    memory_capacity_bytes=1.0, op_overhead_s=0.0)
+    cluster = Cluster(mesh=mesh, device=device, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),))
+    roofline_s = sum(node_compute_s(graph, name, strategy, cluster) for name, strategy in plan.node_strategies.items())
+
+    torch.manual_seed(0)
+    eager_model = _CalibrationMLP()  # the same initial weights (the compiled step's model now holds DTensors)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    for _ in range(3):
+        _calibration_step(eager_model, eager_optimizer, batch)
+    dist.barrier()
+    captured, eager = [], []
+    for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+        captured.append(_median_seconds(lambda: step(model, optimizer, batch), 1))
+        eager.append(_median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), 1))
+    step_s, eager_s = statistics.median(captured), statistics.median(eager)
+    figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
+               "eager_step_s": eager_s}
+    if world > 1:
+        comm = Collectives.from_device_mesh(_world_mesh(world))
+        phase = _tiny_op_chain(100)
+        tiny, small = torch.ones(8), torch.ones(1024)
+
+        def computing() -> None:
+            phase(tiny)
+
+        def computing_then_reducing() -> None:
+            phase(tiny)
+            comm.all_reduce(small, 0, "sum")
+
+        for _ in range(3):
+            computing_then_reducing()
+        dist.barrier()
+        alone, extra = [], []
+        for _ in range(3 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+            alone.append(_median_seconds(computing, 1))
+            extra.append(_median_seconds(computing_then_reducing, 1) - alone[-1])
+        figures.update(compute_phase_s=statistics.median(alone), in_step_collective_s=max(statistics.median(extra), 0.0))
+    return figures
+
+
+def _world_mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                 measurements.append({"axis": axis, "op": op, "bytes": nbytes, "seconds": seconds})
     dist.barrier()
     roofline = _slowest(_roofline(device), device)
+    if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
+        roofline.update(_slowest(_runtime_figures(roofline), device))
     if dist.get_rank() == 0:
         report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "mesh": shape,
                   "device": roofline, "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",

@@ -39,6 +39,10 @@ class Link:
     reduce_scatter_as_all_reduce: bool = False
     """The backend carries out a reduce-scatter as an all-reduce of the whole input, then keeps its piece (gloo):
     it sends, and takes the time of, an all-reduce."""
+    sync_s: float = 0.0
+    """What a collective costs beyond its own fixed cost when the step runs it between compute phases: the wait for
+    the slower peer (processes sharing cores drift apart while they compute; measured by ``metadist calibrate``).
+    Paid per call, as the fixed cost is (a bucketed collective pays its share); 0 for the presets."""
     kind_costs: tuple[tuple[str, float, float], ...] = ()
     """Measured (collective kind, fixed seconds per call, bandwidth) of kinds whose algorithm the backend runs at its
     own speed (gloo's all-gather is several times slower per byte than its all-reduce); a kind listed here is priced
@@ -49,8 +53,8 @@ class Link:
         object.__setattr__(self, "kind_costs", costs)
         if any(fixed < 0 or bandwidth <= 0 for _, fixed, bandwidth in costs):
             raise ClusterError(f"a link's per-kind costs need fixed seconds >= 0 and bandwidth > 0, got {costs}")
-        if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0:
-            raise ClusterError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0 or not self.sync_s >= 0:
+            raise ClusterError(f"a link needs bandwidth > 0 and latency, call overhead and sync cost >= 0, got {self}")
 
     def kind_cost(self, kind: str) -> tuple[float, float] | None:
         """(fixed seconds, bandwidth) measured for collectives of ``kind``; None when it follows the alpha-beta figures."""
@@ -79,6 +83,10 @@ class Device:
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
+    eager_op_overhead_s: float = 0.0
+    """The fixed cost per node of the captured graph when torch runs the same step eagerly (fused optimizer kernels,
+    scalars as Python floats): what a baseline that runs the model itself (torch DDP, FSDP) pays; measured by
+    ``metadist calibrate`` on CPU, 0 (not measured) elsewhere. MetaDist's own plans pay ``op_overhead_s``."""
 
     def __post_init__(self) -> None:
         pairs = self.peak_flops_per_s_by_dtype
@@ -86,7 +94,7 @@ class Device:
         object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
         object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
         figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes, *(v for _, v in pairs))
-        if min(figures) <= 0 or not self.op_overhead_s >= 0:
+        if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0:
             raise ClusterError(f"device figures must be positive (op overhead >= 0), got {self}")
 
     def flops_per_s(self, dtype: str) -> float:

@@ -37,8 +37,13 @@ A calibrated link may carry measured per-kind costs (:attr:`.cluster.Link.kind_c
 all-gather is several times slower per byte than its all-reduce); such a kind is priced
 ``fixed + sent / bandwidth`` with its own figures.
 
+Every collective also pays the link's ``sync_s``: inside a step a collective waits for the slower
+peer (processes that share cores drift apart while they compute), which the isolated measurements
+above (all ranks leaving a barrier together) never see; the calibration measures it by issuing a
+small all-reduce between compute phases as the runtime does.
+
 A collective the runtime runs in a bucket with others (:mod:`.bucketing`) pays only
-``fixed_share`` of its fixed cost (the ``alpha`` terms and ``call_overhead_s``); the
+``fixed_share`` of its fixed cost (the ``alpha`` terms, ``call_overhead_s`` and ``sync_s``); the
 bandwidth term is paid in full. All-to-alls are never bucketed.
 """
 
@@ -165,9 +170,9 @@ def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, 
     measured = link.kind_cost(wire)
     if measured is not None:
         fixed, bandwidth = measured
-        return share * fixed + sent / bandwidth, sent
+        return share * (fixed + link.sync_s) + sent / bandwidth, sent
     steps = 2 * (n - 1) if wire == "all_reduce" else n - 1
-    return share * (link.call_overhead_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
+    return share * (link.call_overhead_s + link.sync_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
 
 
 def halo_exchange_bytes(spec: TensorSpec, sharding: Sequence, axis: int, halo: int, mesh) -> float:

@@ -14,6 +14,7 @@ else, so the baselines are priced by exactly the model that prices the solver's 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -117,3 +118,36 @@ def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_li
                       restrictions=_restrictions(graph, cluster.mesh, kind), uneven_shards=uneven_shards,
                       reduce_dtype=reduce_dtype)
     return replace(plan, solver={**plan.solver, "kind": f"{kind}+recompute" if recompute else kind}, recompute=layers)
+
+
+def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_cap_bytes: float | None = None) -> dict[str, Any]:
+    """The cost model's price of torch's own DistributedDataParallel on ``graph``: not the solver's ``dp`` layout.
+
+    torch DDP runs the model eagerly on every rank with its share of the batch and reduces the gradients in buckets
+    of ``bucket_cap_bytes`` (25 MiB), one all-reduce per bucket over all ranks, and nothing else. So: the compute
+    of the ``dp`` layout (``dp_estimate``, its nodes split as DDP splits them) at the eager per-node cost
+    (:attr:`metadist.cost.cluster.Device.eager_op_overhead_s`, where the calibration measured one) instead of the
+    runtime's, plus the buckets' all-reduces, each paying its full fixed and in-step cost. No overlap with the
+    backward is assumed (on CPU processes sharing cores, gloo's threads take cores the backward needs).
+    """
+    from ..cost.comm import collective_seconds
+    from ..lowering.coalesce import DEFAULT_BUCKET_CAP_BYTES
+
+    cap = float(DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes)
+    device = cluster.device
+    nodes = len(graph.nodes)
+    compute_s = float(dp_estimate["compute_s"])
+    if device.eager_op_overhead_s > 0:
+        compute_s += nodes * (device.eager_op_overhead_s - device.op_overhead_s)
+    grad_bytes = float(sum(item.value.spec.nbytes for item in graph.inputs if item.role is Role.PARAM))
+    world = cluster.mesh.size
+    comm_s = comm_bytes = 0.0
+    buckets = math.ceil(grad_bytes / cap * (1 - 1e-12)) if world > 1 and grad_bytes > 0 else 0
+    for bucket in range(buckets):
+        piece = min(cap, grad_bytes - bucket * cap)
+        seconds, sent = collective_seconds("all_reduce", piece, world, cluster.link(0))
+        comm_s, comm_bytes = comm_s + seconds, comm_bytes + sent
+    return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+            "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
+            "memory_bytes_peak": dp_estimate.get("memory_bytes_peak"),
+            "collectives_by_kind": {"all_reduce": buckets} if buckets else {}, "cluster": cluster.name}

@@ -1,0 +1,114 @@
+"""The runtime's own costs in the cost model: per-node cost from a captured step, a collective's in-step cost
+(``Link.sync_s``), torch DDP priced as it runs, and the calibration cache's versions."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from metadist.cost import cluster_for
+from metadist.cost.calibrate import (
+    CALIBRATION_FORMAT, IN_STEP_COLLECTIVE_BYTES, calibration_path, cluster_from_report, collective_sync_s, eager_op_overhead,
+    load_calibration, runtime_op_overhead,
+)
+from metadist.cost.cluster import ClusterError, Link
+from metadist.cost.comm import collective_seconds
+from metadist.ir import Mesh
+from metadist.solver import baseline_plan, plan_graph
+from metadist.solver.baselines import torch_ddp_estimate
+from test_solver_helpers import mlp_step
+
+
+def _figures(**extra) -> dict:
+    return {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 1e10, "op_overhead_s": 5e-6, **extra}
+
+
+def test_per_node_costs_come_from_the_timed_captured_and_eager_steps():
+    # 200 nodes whose rooflines sum to 1 ms: a 7 ms captured step costs 30 us a node, a 3 ms eager one 10 us
+    figures = _figures(captured_step_s=7e-3, captured_nodes=200.0, captured_roofline_s=1e-3, eager_step_s=3e-3)
+    assert runtime_op_overhead(figures) == pytest.approx(30e-6)
+    assert eager_op_overhead(figures) == pytest.approx(10e-6)
+    # an older report (no captured step) keeps the chain of tiny ops' figure; no eager figure is 0 (not measured)
+    assert runtime_op_overhead(_figures()) == 5e-6 and eager_op_overhead(_figures()) == 0.0
+    # a step faster than its rooflines is no negative cost
+    assert runtime_op_overhead(_figures(captured_step_s=1e-4, captured_nodes=10.0, captured_roofline_s=1e-3)) == 0.0
+    with pytest.raises(ClusterError, match="metadist calibrate"):
+        runtime_op_overhead(_figures(captured_step_s=1e-3, captured_nodes=0.0, captured_roofline_s=0.0))
+
+
+def test_sync_cost_is_the_in_step_collective_less_its_isolated_price():
+    link = Link(bandwidth_bytes_per_s=1e9, latency_s=50e-6, call_overhead_s=100e-6, reduce_scatter_as_all_reduce=True)
+    isolated, _ = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 2, link)
+    assert collective_sync_s(_figures(in_step_collective_s=isolated + 700e-6), link, 2) == pytest.approx(700e-6)
+    assert collective_sync_s(_figures(in_step_collective_s=isolated / 2), link, 2) == 0.0  # never negative
+    assert collective_sync_s(_figures(), link, 2) == 0.0 and collective_sync_s(_figures(in_step_collective_s=1.0), link, 1) == 0.0
+    # the report's figures reach the cluster: every link carries its sync cost, the device both per-node costs
+    report = {"backend": "gloo", "memory_capacity_bytes": 1e9,
+              "measurements": [{"axis": 0, "op": "all_reduce", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)],
+              "device": _figures(captured_step_s=7e-3, captured_nodes=200.0, captured_roofline_s=1e-3, eager_step_s=3e-3,
+                                 in_step_collective_s=2e-3)}
+    cluster = cluster_from_report(report, Mesh((2,)))
+    assert cluster.device.op_overhead_s == pytest.approx(30e-6) and cluster.device.eager_op_overhead_s == pytest.approx(10e-6)
+    fitted, _ = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 2, replace(cluster.link(0), sync_s=0.0))
+    assert cluster.link(0).sync_s == pytest.approx(2e-3 - fitted)
+
+
+def test_every_collective_pays_the_sync_cost_per_call_and_a_bucket_its_share():
+    link = Link(bandwidth_bytes_per_s=1e9, latency_s=10e-6, call_overhead_s=100e-6)
+    synced = replace(link, sync_s=1e-3)
+    for kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+        plain, sent = collective_seconds(kind, 1 << 16, 4, link)
+        assert collective_seconds(kind, 1 << 16, 4, synced) == (pytest.approx(plain + 1e-3), sent)
+    bucketed = collective_seconds("all_reduce", 1 << 16, 4, synced, fixed_share=0.25)[0]
+    assert bucketed == pytest.approx(collective_seconds("all_reduce", 1 << 16, 4, link, fixed_share=0.25)[0] + 0.25e-3)
+    measured = replace(synced, kind_costs=(("all_gather", 300e-6, 2e8),))  # a per-kind measured cost pays it too
+    assert collective_seconds("all_gather", 1 << 16, 4, measured)[0] == pytest.approx(300e-6 + 1e-3 + 3 * (1 << 16) / 2e8)
+    with pytest.raises(ClusterError):
+        replace(link, sync_s=-1.0)
+
+
+def _synced(preset: str, mesh: Mesh, sync_s: float, op_overhead_s: float = 0.0):
+    cluster = cluster_for(preset, mesh)
+    return replace(cluster, device=replace(cluster.device, op_overhead_s=op_overhead_s),
+                   axis_links=tuple(replace(link, sync_s=sync_s) for link in cluster.axis_links))
+
+
+def test_the_ilp_objective_equals_the_estimate_with_the_sync_cost_and_avoids_what_it_prices():
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=2e-3, op_overhead_s=20e-6)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
+    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-6)
+    # the sync cost moves the plan: with it, this small step makes no more collective calls than without it
+    free = plan_graph(graph, rules, _synced("cpu-gloo", Mesh((2,)), sync_s=0.0, op_overhead_s=20e-6), memory_budget_bytes=float("inf"))
+    calls = sum(plan.estimate["collectives_by_kind"].values())
+    assert calls <= sum(free.estimate["collectives_by_kind"].values())
+    assert plan.estimate["comm_s"] >= 0 and plan.estimate["step_s"] > free.estimate["step_s"] - 1e-12
+
+
+def test_torch_ddp_is_priced_as_eager_compute_and_one_all_reduce_per_bucket():
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=1e-3, op_overhead_s=30e-6)
+    cluster = replace(cluster, device=replace(cluster.device, eager_op_overhead_s=10e-6))
+    dp = baseline_plan(graph, rules, cluster, "dp").estimate
+    grads = sum(item.value.spec.nbytes for item in graph.inputs if item.role.value == "param")
+    priced = torch_ddp_estimate(graph, cluster, dp)
+    one, sent = collective_seconds("all_reduce", grads, 2, cluster.link(0))
+    assert priced["collectives_by_kind"] == {"all_reduce": 1} and priced["comm_s"] == pytest.approx(one)
+    assert priced["compute_s"] == pytest.approx(dp["compute_s"] - len(graph.nodes) * 20e-6)
+    assert priced["step_s"] == pytest.approx(priced["compute_s"] + one)
+    assert sum(priced["comm_bytes_by_axis"].values()) == pytest.approx(sent)
+    # buckets of the cap: the gradients split into ceil(bytes / cap) all-reduces
+    assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=grads / 3)["collectives_by_kind"] == {"all_reduce": 3}
+
+
+def test_an_older_calibration_is_measured_again_and_never_shares_a_file(tmp_path):
+    path = calibration_path(tmp_path, 2)
+    assert "-v" in path.name  # the version is in the file name: an older MetaDist keeps reading its own file
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": CALIBRATION_FORMAT, "version": 1, "report": {"device": {}}}))
+    assert load_calibration(path) is None  # an older version: measured again, not misread
+    path.write_text(json.dumps({"format": CALIBRATION_FORMAT, "version": 99, "report": {}}))
+    with pytest.raises(ClusterError, match="metadist calibrate"):
+        load_calibration(path)
