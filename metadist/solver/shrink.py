@@ -34,13 +34,21 @@ def templated_name(name: str) -> tuple[str, int | None]:
     return name[: match.start(1)] + "*" + name[match.end(1):], int(match.group(1))
 
 
+def input_template(graph_input) -> str:
+    """What tying compares of a graph input's name: its templated name (:func:`templated_name`); every tensor constant
+    the same (the trace numbers constants, ``const:_tensor_constant7``, so each layer's own constants, a KV cache's
+    empty tensors, differ by number alone; role and spec still tell them apart)."""
+    if graph_input.role.value == "constant":
+        return "const:*"
+    return templated_name(graph_input.value.name)[0]
+
+
 def tie_inputs(graph: Graph) -> dict[str, str]:
     """Representative of each graph input: the first input with the same template, role and spec."""
     first: dict[tuple, str] = {}
     representative: dict[str, str] = {}
     for graph_input in graph.inputs:
-        template, _ = templated_name(graph_input.value.name)
-        key = (template, graph_input.role, graph_input.value.spec)
+        key = (input_template(graph_input), graph_input.role, graph_input.value.spec)
         representative[graph_input.value.name] = first.setdefault(key, graph_input.value.name)
     return representative
 
@@ -106,7 +114,7 @@ def tie_nodes(graph: Graph, min_run_length: int = 2) -> dict[str, str]:
     prefix of structural signatures (at least ``min_run_length``); runs that match no leader
     become leaders. First and last layers, whose runs carry extra nodes, tie on their prefix.
     """
-    templates = {gi.value.name: templated_name(gi.value.name)[0] for gi in graph.inputs}
+    templates = {gi.value.name: input_template(gi) for gi in graph.inputs}
     representative = {node.name: node.name for node in graph.nodes}
     leaders: list[tuple[list[tuple], list[str]]] = []
     for _, positions in layer_runs(graph):
