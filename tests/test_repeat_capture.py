@@ -86,24 +86,28 @@ def test_expanded_graph_with_raw_gradients_equals_the_whole_capture(caplog):
     assert whole.loss_divisor is not None and loss_divisor_of(expanded) == whole.loss_divisor
 
 
-def test_a_library_model_with_its_default_kv_cache_expands_to_the_whole_capture(caplog):
-    """GPT-2 with the library's defaults (use_cache on): each layer's trace creates its cache's empty tensors, per-layer
-    tensor constants the expansion copies for every layer and numbers as the whole capture does."""
+def lm_step(model, optimizer, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _library_gpt2(layers: int):
+    """A tiny GPT-2 with the library's defaults (its KV cache on), SGD, and a batch of tokens for :func:`lm_step`."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=5, n_head=2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=layers, n_head=2))
     tokens = torch.randint(0, 32, (2, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), {"input_ids": tokens, "labels": tokens}
 
-    def lm_step(model, optimizer, batch):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
 
-    batch = {"input_ids": tokens, "labels": tokens}
+def test_a_library_model_with_its_default_kv_cache_expands_to_the_whole_capture(caplog):
+    """GPT-2 with the library's defaults (use_cache on): each layer's trace creates its cache's empty tensors, per-layer
+    tensor constants the expansion copies for every layer and numbers as the whole capture does."""
+    model, optimizer, batch = _library_gpt2(layers=5)
     with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
         expanded = capture_repeated(lm_step, model, optimizer, batch, name="gpt2", min_layers=5)
     assert "on 4 of its 5 layers" in caplog.text
@@ -173,23 +177,10 @@ def test_canonical_names_depend_on_the_op_sequence_only():
 def test_layers_reading_their_own_kv_cache_constants_still_tie():
     """Each layer's cache tensors are distinct constants (numbered by the trace); tying treats constants of one spec
     alike, so the layers' runs tie as they do without a cache (llama-13b with the cache: 1,153 classes untied, 416 tied)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from metadist.solver.shrink import tie_inputs, tie_nodes
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=4, n_head=2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 32, (2, 8))
-
-    def lm_step(model, optimizer, batch):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    graph = capture_step(lm_step, model, optimizer, {"input_ids": tokens, "labels": tokens}).graph
+    model, optimizer, batch = _library_gpt2(layers=4)
+    graph = capture_step(lm_step, model, optimizer, batch).graph
     constants = [gi.value.name for gi in graph.inputs if gi.role.value == "constant"]
     assert len(constants) >= 4
     inputs = tie_inputs(graph)
