@@ -15,6 +15,7 @@ followed by the ``unpack_*`` of its members and their local steps. Nothing in it
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -31,7 +32,10 @@ from .collectives import (
     Collectives, halo_trim, local_slice, pack_flat, pack_for_reduce_scatter, pad_to, unpack_all_gather, unpack_all_reduce,
     unpack_all_to_all, unpack_reduce_scatter, unpad_to, zero_partial,
 )
+from .batching import batch_elementwise, merge_duplicates
 from .errors import LocalOpError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["build_rank_module", "draw_random", "CheckingInterpreter"]
 
@@ -41,6 +45,7 @@ def build_rank_module(
     comm: Collectives,
     device: torch.device | None = None,
     contiguous_values: frozenset[str] = frozenset(),
+    batch: bool = True,
 ) -> torch.fx.GraphModule:
     """The fx GraphModule that runs ``program`` with the collectives of ``comm``.
 
@@ -48,6 +53,9 @@ def build_rank_module(
     capture's device, the CPU); None keeps the graph's devices.
     ``contiguous_values``: values made contiguous after their op, so real layouts
     follow the capture's (``TorchStep.contiguous_values``).
+    ``batch``: run small independent elementwise ops as ``_foreach`` calls
+    (:mod:`metadist.runtime.batching`); False keeps one node per op, as
+    :class:`CheckingInterpreter` needs to name the op that fails.
     """
     root = torch.nn.Module()
     root.comm = comm
@@ -77,6 +85,10 @@ def build_rank_module(
                     env[name] = graph.call_method("contiguous", (env[name],))
     graph.output(tuple(env[output.value] for output in program.outputs))
     graph.lint()
+    if batch:
+        merged = merge_duplicates(graph)
+        graph, stats = batch_elementwise(graph)
+        log.info("rank at %s: %d repeated ops merged; %s", program.coords, merged, stats)
     return torch.fx.GraphModule(root, graph, class_name=f"Rank{'_'.join(map(str, program.coords))}Program")
 
 

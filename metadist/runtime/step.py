@@ -103,7 +103,8 @@ class CompiledStep:
                                           overlap=overlap)
         self.comm = Collectives.from_device_mesh(device_mesh)
         self.device = _device_of(device_mesh)
-        self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values)
+        self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values,
+                                        batch=not check_shapes)
         log.info("rank at %s: %d instructions, %d reshards, on %s", self.coords, len(self.program.instructions),
                  len(self.program.reshards()), self.device)
         self._slots = {slot.name: slot for slot in torch_step.slots}
