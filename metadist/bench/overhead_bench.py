@@ -4,9 +4,11 @@
 
 One process, a 1-device mesh over gloo: every step of the same model and batch
 is timed as (a) the user's eager step, (b) the captured graph interpreted node
-by node on one device (``TorchStep.run``), and (c) MetaDist's compiled rank
-program (``metadist.compile`` with ``mesh=(1,)``). Medians over N steps after
-one warm-up step, measured side by side in this run; the ratios are what to quote.
+by node on one device (``TorchStep.run``), (c) MetaDist's compiled rank program
+(``metadist.compile`` with ``mesh=(1,)``) built with one node per op, and (d) the
+same program as ``metadist.compile`` builds it, its small elementwise ops batched
+into ``_foreach`` calls (:mod:`metadist.runtime.batching`). Medians over N steps
+after one warm-up step, measured side by side in this run; the ratios are what to quote.
 """
 
 from __future__ import annotations
@@ -34,14 +36,17 @@ def _single_process_env() -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
-def _median_ms(run, steps: int) -> float:
-    run()  # warm-up
-    times = []
+def _median_ms(runs: dict, steps: int) -> dict[str, float]:
+    """Median milliseconds of each run, the runs interleaved step by step (a change of load hits all alike)."""
+    for run in runs.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {key: [] for key in runs}
     for _ in range(steps):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+        for key, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - started)
+    return {key: statistics.median(values) * 1e3 for key, values in times.items()}
 
 
 def measure(model: str, steps: int) -> dict:
@@ -51,18 +56,31 @@ def measure(model: str, steps: int) -> dict:
 
     workload = builtin_workload(model)
     plain = workload.train_step()
-    eager_model, graph_model, compiled_model = workload.model, copy.deepcopy(workload.model), copy.deepcopy(workload.model)
+    eager_model, graph_model = workload.model, copy.deepcopy(workload.model)
+    compiled_model, unbatched_model = copy.deepcopy(workload.model), copy.deepcopy(workload.model)
     eager_opt = workload.optimizer(eager_model.parameters())
     graph_opt = workload.optimizer(graph_model.parameters())
     compiled_opt = workload.optimizer(compiled_model.parameters())
+    unbatched_opt = workload.optimizer(unbatched_model.parameters())
     captured = capture_step(plain, graph_model, graph_opt, workload.batch)
     compiled = metadist.compile(plain, mesh=(1,), plan="solver", cluster="cpu-gloo")
-    return {
-        "model": model,
-        "eager_ms": _median_ms(lambda: plain(eager_model, eager_opt, workload.batch), steps),
-        "graph_ms": _median_ms(lambda: captured.run(graph_model, graph_opt, workload.batch), steps),
-        "compiled_ms": _median_ms(lambda: compiled(compiled_model, compiled_opt, workload.batch), steps),
-    }
+    unbatched = metadist.compile(plain, mesh=(1,), plan="solver", cluster="cpu-gloo")
+    unbatched.prepare(unbatched_model, unbatched_opt, workload.batch)
+    _one_node_per_op(unbatched.compiled)
+    return {"model": model, **_median_ms({
+        "eager_ms": lambda: plain(eager_model, eager_opt, workload.batch),
+        "graph_ms": lambda: captured.run(graph_model, graph_opt, workload.batch),
+        "unbatched_ms": lambda: unbatched(unbatched_model, unbatched_opt, workload.batch),
+        "compiled_ms": lambda: compiled(compiled_model, compiled_opt, workload.batch),
+    }, steps)}
+
+
+def _one_node_per_op(step) -> None:
+    """Rebuild a compiled step's rank module without batching its small ops (what ran before batching)."""
+    from metadist.runtime.graph_module import build_rank_module
+
+    step.module = build_rank_module(step.program, step.comm, step.device, step.torch_step.contiguous_values, batch=False)
+    step._forward = step.module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _single_process_env()
     table = Table(title=f"one process: median step time over {args.steps} steps (ms) and ratio to eager")
-    for column in ("model", "eager", "captured graph (interpreted)", "ratio", "compiled (mesh 1)", "ratio"):
+    for column in ("model", "eager", "captured graph (interpreted)", "ratio", "compiled, one node per op", "ratio",
+                   "compiled (mesh 1)", "ratio"):
         table.add_column(column, justify="right")
     for model in args.models:
         row = measure(model, args.steps)
-        table.add_row(row["model"], f"{row['eager_ms']:.2f}", f"{row['graph_ms']:.2f}",
-                      f"{row['graph_ms'] / row['eager_ms']:.2f}x", f"{row['compiled_ms']:.2f}",
-                      f"{row['compiled_ms'] / row['eager_ms']:.2f}x")
+        cells = [row["model"], f"{row['eager_ms']:.2f}"]
+        for key in ("graph_ms", "unbatched_ms", "compiled_ms"):
+            cells += [f"{row[key]:.2f}", f"{row[key] / row['eager_ms']:.2f}x"]
+        table.add_row(*cells)
     Console(width=140).print(table)
     import torch.distributed as dist
 
