@@ -198,3 +198,16 @@ def test_a_captured_library_model_with_adamw_runs_bitwise_equal_batched(tmp_path
     batched_ops = sum(1 for node in modules[True].graph.nodes
                       if node.op == "call_function" and node.target is not operator.getitem)
     assert len(foreach) >= 10 and batched_ops < plain_ops / 2, (len(foreach), batched_ops, plain_ops)
+
+
+def test_a_repeated_op_whose_result_is_written_in_place_is_not_merged():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first = _shaped(graph, aten.mul.Tensor, (x, 2.0), (3,))
+    second = _shaped(graph, aten.mul.Tensor, (x, 2.0), (3,))
+    written = _shaped(graph, aten.add_.Tensor, (second, 1.0), (3,))  # an in-place reader of the second copy
+    graph.output((_shaped(graph, aten.add.Tensor, (first, written), (3,)),))
+    values = [torch.ones(3)]
+    want = _run(graph, values)
+    assert merge_duplicates(graph) == 0
+    assert torch.equal(_run(graph, values)[0], want[0]) and torch.equal(want[0], torch.full((3,), 5.0))

@@ -314,7 +314,7 @@ def merge_duplicates(graph: torch.fx.Graph, *, max_numel: int = MAX_NUMEL) -> in
     escapes = _output_origins(graph)
     seen: dict[tuple, torch.fx.Node] = {}
     merged = 0
-    for node in list(graph.nodes):
+    for node in list(graph.nodes):  # a merged node's readers now read the earlier one: both must only be read
         if node in escapes or not _mergeable(node, max_numel):
             continue
         try:
@@ -364,7 +364,7 @@ def _mergeable(node: torch.fx.Node, max_numel: int) -> bool:
         if node.target != "contiguous" or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
             return False
         numel = _numel(node.args[0])
-        return numel is not None and numel <= max_numel
+        return numel is not None and numel <= max_numel and all(_reads_only(user) for user in node.users)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     schema = node.target._schema
@@ -372,4 +372,15 @@ def _mergeable(node: torch.fx.Node, max_numel: int) -> bool:
             or str(schema.returns[0].type) != "Tensor"):
         return False
     numel = _numel(node)
-    return numel is not None and numel <= max_numel
+    return numel is not None and numel <= max_numel and all(_reads_only(user) for user in node.users)
+
+
+def _reads_only(user: torch.fx.Node) -> bool:
+    """Whether ``user`` only reads its inputs (a shared tensor stays as it was for its other readers)."""
+    if user.op == "call_method":
+        return user.target == "contiguous"
+    if user.op != "call_function":
+        return False
+    if user.target is operator.getitem:
+        return True
+    return isinstance(user.target, torch._ops.OpOverload) and not user.target._schema.is_mutable
