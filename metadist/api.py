@@ -162,9 +162,12 @@ class CompiledTrainStep:
     def _key(self, model: Any, optimizer: Any, batch: Any) -> tuple:
         from .frontends.torch.optim import optimizer_structure
 
-        modes = tuple(module.training for module in model.modules())
-        trainable = tuple(param.requires_grad for param in model.parameters())
-        return (id(model), id(optimizer), _batch_signature(batch), (modes, trainable), optimizer_structure(optimizer))
+        modes, trainable = [], []
+        for module in model.modules():  # one walk: train/eval mode and trainable flags, module by module
+            modes.append(module.training)
+            trainable.extend(param.requires_grad for param in module._parameters.values() if param is not None)
+        return (id(model), id(optimizer), _batch_signature(batch), (tuple(modes), tuple(trainable)),
+                optimizer_structure(optimizer))
 
     def _why_new(self, key: tuple) -> str:
         last = next(reversed(self._variants))

@@ -139,6 +139,9 @@ class StateBinding:
             if slot.kind in ("param", "buffer"):
                 self._tensors[slot.name] = self._holders[slot.name][0].get()
         self._slots = {slot.name: slot for slot in slots}
+        self._placed: dict[str, DTensor] = {}
+        """Per state input: the optimizer's DTensor last found placed as the step needs it. While the optimizer
+        holds that very object it is read as it is (a DTensor's shape and placements do not change)."""
 
     def param(self, key: str) -> torch.Tensor:
         """The bound parameter named ``key`` (a DTensor after install)."""
@@ -175,6 +178,9 @@ class StateBinding:
         other placements are resharded (no data leaves the rank for plain ones: each takes its slice).
         """
         state = self.optimizer.state.get(self._tensors[slot.key])
+        held = None if state is None else state.get(slot.state_key)
+        if held is not None and held is self._placed.get(slot.name):
+            return held._local_tensor
         if state is None or slot.state_key not in state:
             raise RunInputError(
                 f"the optimizer holds no {slot.state_key!r} state for parameter {slot.key!r} any more (was its state "
@@ -191,6 +197,8 @@ class StateBinding:
         if not is_sharded_here(tensor, self.device_mesh) or tuple(tensor.placements) != slot.placements:
             tensor = place(tensor, self.device_mesh, slot.placements)
             state[slot.state_key] = tensor
+        if isinstance(tensor, DTensor):
+            self._placed[slot.name] = tensor
         return tensor._local_tensor
 
 
