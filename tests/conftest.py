@@ -28,6 +28,13 @@ def isolated_rule_cache(tmp_path_factory: pytest.TempPathFactory):
             os.environ[key] = value
 
 
+@pytest.fixture(scope="session")
+def jax_rules_db(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A rule database of JAX entries only, shared by the tests that discover JAX rules: GPT-2's ops, discovered by
+    the first of them (a minute and more on 2 cores), are read back by the next instead of discovered again."""
+    return str(tmp_path_factory.mktemp("jax-rules") / "rules.sqlite")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--zoo", action="store_true", default=False,
                      help="also run the whole model zoo under --check (tests marked zoo; about an hour on 2 CPUs)")

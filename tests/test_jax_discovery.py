@@ -121,10 +121,10 @@ def test_discovery_finds_the_matmul_and_embedding_rules(gpt2):
 
 
 @pytest.mark.slow
-def test_discovery_covers_every_gpt2_op_with_tensor_inputs(gpt2, tmp_path):
+def test_discovery_covers_every_gpt2_op_with_tensor_inputs(gpt2, jax_rules_db):
     from metadist.shardcombine.database import RuleDatabase
 
-    with RuleDatabase(tmp_path / "rules.sqlite") as db:
+    with RuleDatabase(jax_rules_db) as db:  # shared with test_jax_sharded's pipeline tests (conftest)
         rules = graph_rules(gpt2.graph, JaxOpExecutor(), db=db)
         assert {entry.framework for entry in db.entries()} == {"jax"}
     no_inputs = {name for name, reason in rules.missing.items() if "no tensor inputs" in reason}

@@ -119,9 +119,10 @@ PIPELINE = """
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mesh, baseline", [("jax-mlp", "8", "zero3"), ("jax-gpt2-tiny", "2x4", "")])
-def test_pipeline_discovers_plans_runs_and_checks(tmp_path, name, mesh, baseline):
+def test_pipeline_discovers_plans_runs_and_checks(jax_rules_db, name, mesh, baseline):
+    # the rule database is shared (conftest): the rules test_jax_discovery discovered for GPT-2 are read back here
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-c", textwrap.dedent(PIPELINE), name, mesh, str(tmp_path / "rules.sqlite"), baseline]
+    command = [sys.executable, "-c", textwrap.dedent(PIPELINE), name, mesh, jax_rules_db, baseline]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -182,7 +182,8 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
         if plan_source.graph_fingerprint == graph_fingerprint(planned_graph(without_grads.graph)):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "
-                          "parameters, buffers and optimizer state, not the gradients")
+                          "parameters, buffers and optimizer state, not the gradients, and so excuses no parameter "
+                          "whose gradient is rounding noise (see metadist/runtime/check.py)")
     for record in torch_step.graph.routing:  # mixture of experts: what the captured graph computes, stated
         reporter.note(f"expert routing {record.describe()}")
     options = StepOptions(plan=plan_source, memory_budget_bytes=config.memory_budget_bytes, cluster=config.cluster,
