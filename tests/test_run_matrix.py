@@ -61,19 +61,22 @@ def test_tight_memory_plan_shards_parameters_and_state_and_passes_check(tmp_path
     """The solver under a tight budget shards parameters and optimizer state; the plan runs correctly."""
     from metadist.solver.errors import InfeasibleBudgetError
 
+    from metadist.api import capture_and_discover
+    from metadist.cost.cluster import resolve_cluster
+    from metadist.solver import plan_graph
+
     workload = metadist.builtin_workload("gpt2-tiny", optimizer="adamw")
     ample = metadist.plan(workload, Mesh((2,)), cluster="cpu-gloo", memory_gb=64)
+    # the tighter budgets plan the same capture (what metadist.plan does with memory_gb, without capturing again)
+    graph, rules = capture_and_discover(workload)
+    cluster = resolve_cluster("cpu-gloo", Mesh((2,)))
     with pytest.raises(InfeasibleBudgetError) as info:
-        metadist.plan(workload, Mesh((2,)), cluster="cpu-gloo", memory_gb=1e-6)
+        plan_graph(graph, rules, cluster, memory_budget_bytes=1e3)
     tight_bytes = 1.02 * info.value.minimum_bytes
     assert tight_bytes < ample.estimate["memory_bytes_peak"]
-    tight = metadist.plan(workload, Mesh((2,)), cluster="cpu-gloo", memory_gb=tight_bytes / 1e9)
+    tight = plan_graph(graph, rules, cluster, memory_budget_bytes=int(tight_bytes))
     graph_inputs = {}
     step_graph_roles = {}
-    from metadist.frontends.torch import capture_step
-
-    optimizer = workload.optimizer(workload.model.parameters())
-    graph = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name).graph
     for graph_input in graph.inputs:
         step_graph_roles[graph_input.value.name] = graph_input.role
         graph_inputs[graph_input.value.name] = graph_input.value.spec.nbytes
