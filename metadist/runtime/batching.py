@@ -72,9 +72,15 @@ class _Form:
 
     tensor_args: tuple[int, ...]
     build: Callable[[list[list[Any]], tuple, dict], list[tuple[Any, tuple, dict]]]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments a member may pass: (name, the only value accepted, or ``_ANY`` for any)."""
+
+    def accepts(self, kwargs: dict) -> bool:
+        accepted = dict(self.kwargs)
+        return all(key in accepted and (accepted[key] is _ANY or accepted[key] == value) for key, value in kwargs.items())
 
 
-_ANY_VALUE: set = set()
+_ANY = object()
 
 
 def _forms() -> dict[Any, _Form]:
@@ -97,19 +103,18 @@ def _forms() -> dict[Any, _Form]:
     for name in ("addcmul", "addcdiv"):
         foreach = getattr(aten, f"_foreach_{name}").Scalar
         forms[getattr(aten, name).default] = _Form(
-            (0, 1, 2), lambda lists, rest, kw, f=foreach: [(f, (*lists, kw.get("value", rest[0] if rest else 1)), {})])
-        _ANY_VALUE.add(getattr(aten, name).default)
+            (0, 1, 2), lambda lists, rest, kw, f=foreach: [(f, (*lists, kw.get("value", rest[0] if rest else 1)), {})],
+            kwargs=(("value", _ANY),))
     forms[aten.lerp.Tensor] = _Form((0, 1, 2), lambda lists, rest, kw: [(aten._foreach_lerp.List, tuple(lists), {})])
     forms[aten.lerp.Scalar] = _Form((0, 1), lambda lists, rest, kw: [(aten._foreach_lerp.Scalar, (lists[0], lists[1], rest[0]), {})])
     # s - x is exactly (-x) + s (negation is exact; one rounding either way)
     forms[aten.rsub.Scalar] = _Form((0,), lambda lists, rest, kw: [
-        (aten._foreach_neg.default, (lists[0],), {}), (aten._foreach_add.Scalar, (_PREVIOUS, rest[0]), {})])
+        (aten._foreach_neg.default, (lists[0],), {}), (aten._foreach_add.Scalar, (_PREVIOUS, rest[0]), {})],
+        kwargs=(("alpha", 1),))
     return forms
 
 
 _FORMS = _forms()
-_KWARGS: dict[Any, dict[str, Any]] = {aten.rsub.Scalar: {"alpha": 1}}
-"""Keyword arguments a direct form accepts, with the only value it accepts (addcmul's ``value`` is read by its form)."""
 
 
 @dataclass(frozen=True)
@@ -132,12 +137,7 @@ def _form_of(node: torch.fx.Node) -> tuple[Any, _Form] | None:
         return None
     target = node.target
     if target in _FORMS:
-        allowed = _KWARGS.get(target, {})
-        if target in _ANY_VALUE:
-            return (target, _FORMS[target]) if set(node.kwargs) <= {"value"} else None
-        if any(key not in allowed or allowed[key] != value for key, value in node.kwargs.items()):
-            return None
-        return target, _FORMS[target]
+        return (target, _FORMS[target]) if _FORMS[target].accepts(dict(node.kwargs)) else None
     if len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
         return None
     kind = "tensor" if isinstance(node.args[1], torch.fx.Node) else "scalar"
