@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import json
+
 import pytest
 import torch
 
@@ -130,6 +132,24 @@ def test_the_planning_section_shows_each_phase_with_its_cpu_seconds_and_the_load
     assert "python -m metadist.bench.solver_bench --models llama-7b" in lines
     assert "| llama-7b | 8x8 | 14027 | 359 | 3.00 (2.10) | 5.30 (2.90) | 0.20 (0.20) | 2.50 | 0.10 | 1.90 | 7.00 (6.30) | 0.0325 " \
            "| LP relaxation | 7.4 |" in "\n".join(lines)
+
+
+def test_the_overhead_section_renders_each_column_against_eager(tmp_path):
+    from metadist.bench.report import write_report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "fixture.json").write_text(_fixture_run().to_json())
+    bench = tmp_path / "docs" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "scale_study.json").write_text("{}")
+    (bench / "overhead.json").write_text(json.dumps({
+        "command": "python -m metadist.bench.overhead_bench gpt2-tiny --steps 30 --out docs/bench/overhead.json",
+        "load_average_1min": 0.3, "rows": [{"model": "gpt2-tiny", "eager_ms": 5.0, "graph_ms": 10.0,
+                                            "unbatched_ms": 7.5, "compiled_ms": 6.0}]}))
+    page = write_report(results, tmp_path / "docs" / "benchmarks.md", bench / "scale_study.json").read_text()
+    assert "python -m metadist.bench.overhead_bench gpt2-tiny --steps 30" in page
+    assert "| gpt2-tiny | 5.00 | 10.00 (2.00x) | 7.50 (1.50x) | 6.00 (1.20x) |" in page
 
 
 def test_never_lose_states_each_ratio_and_why_it_loses():

@@ -1,6 +1,6 @@
 """Single-process overhead of MetaDist's compiled step against the eager step (issue: run).
 
-    python -m metadist.bench.overhead_bench [MODEL ...] [--steps N]
+    python -m metadist.bench.overhead_bench [MODEL ...] [--steps N] [--out docs/bench/overhead.json]
 
 One process, a 1-device mesh over gloo: every step of the same model and batch
 is timed as (a) the user's eager step, (b) the captured graph interpreted node
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -87,19 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m metadist.bench.overhead_bench")
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON (docs/benchmarks.md renders it)")
     args = parser.parse_args(argv)
     _single_process_env()
     table = Table(title=f"one process: median step time over {args.steps} steps (ms) and ratio to eager")
     for column in ("model", "eager", "captured graph (interpreted)", "ratio", "compiled, one node per op", "ratio",
                    "compiled (mesh 1)", "ratio"):
         table.add_column(column, justify="right")
+    rows = []
     for model in args.models:
         row = measure(model, args.steps)
+        rows.append(row)
         cells = [row["model"], f"{row['eager_ms']:.2f}"]
         for key in ("graph_ms", "unbatched_ms", "compiled_ms"):
             cells += [f"{row[key]:.2f}", f"{row[key] / row['eager_ms']:.2f}x"]
         table.add_row(*cells)
     Console(width=140).print(table)
+    if args.out is not None:
+        from ..cli.common import write_atomically
+
+        command = " ".join(["python -m metadist.bench.overhead_bench", *args.models, "--steps", str(args.steps),
+                            "--out", str(args.out)])
+        write_atomically(args.out, json.dumps({"format": "metadist.overhead", "command": command, "steps": args.steps,
+                                               "load_average_1min": os.getloadavg()[0], "rows": rows}, indent=1) + "\n")
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -109,3 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def markdown(data: dict) -> list[str]:
+    """The overhead table of ``docs/benchmarks.md`` from the JSON ``--out`` wrote."""
+    from .report import markdown_table
+
+    header = ("model", "eager ms", "interpreted graph", "compiled, one node per op", "compiled (batched)")
+    rows = [[row["model"], f"{row['eager_ms']:.2f}"] + [f"{row[key]:.2f} ({row[key] / row['eager_ms']:.2f}x)"
+                                                        for key in ("graph_ms", "unbatched_ms", "compiled_ms")]
+            for row in data["rows"]]
+    return [markdown_table(header, rows), "", f"Load average (1 min, 2 cores) at the end: {data['load_average_1min']:.1f}."]
