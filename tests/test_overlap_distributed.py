@@ -48,7 +48,7 @@ def _session(mesh_shape: tuple[int, ...], plans: dict) -> dict:
             records = {(kind, axis): r for (phase, kind, axis), r in compiled.comm_records().items() if phase == "step"}
             nodes = list(compiled.module.graph.nodes)
             issues = [index for index, node in enumerate(nodes) if node.op == "call_method" and str(node.target).startswith("issue_")]
-            waits = [index for index, node in enumerate(nodes) if node.op == "call_function" and "wait_tensor" in str(node.target)]
+            waits = [index for index, node in enumerate(nodes) if node.op == "call_method" and node.target == "wait_tensor"]
             runs[overlap] = {
                 "losses": losses, "state": compiled.state_dict(), "grads": compiled.grads(),
                 "measured": {f"{kind}@{axis}": (r.count, r.bytes) for (kind, axis), r in records.items()},
@@ -56,7 +56,7 @@ def _session(mesh_shape: tuple[int, ...], plans: dict) -> dict:
                               for (kind, axis), (count, nbytes) in compiled.program.predicted_comm().items()},
                 "waits": sum(isinstance(item, Wait) for item in compiled.program.instructions),
                 "fx_issues": len(issues), "fx_waits": len(waits),
-                "ops_in_flight": sum(any("metadist_node" in nodes[i].meta for i in range(nodes.index(nodes[wait].args[0]), wait))
+                "ops_in_flight": sum(any("metadist_node" in nodes[i].meta for i in range(nodes.index(nodes[wait].args[1]), wait))
                                      for wait in waits),  # waits whose collective overlaps a local op
             }
         on, off = runs[True], runs[False]

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 __all__ = ["BatchStats", "batch_elementwise", "merge_duplicates", "MAX_NUMEL", "MAX_GROUP_NUMEL"]
@@ -164,7 +163,7 @@ def _is_barrier(node: torch.fx.Node) -> bool:
         return node.target != "contiguous"
     if node.op != "call_function":
         return False
-    if node.target is funcol.wait_tensor or getattr(node.target, "__name__", "") == "draw_random":
+    if getattr(node.target, "__name__", "") == "draw_random":
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in node.target.tags or node.target._schema.is_mutable

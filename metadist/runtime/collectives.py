@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -47,20 +48,95 @@ class CommRecord:
     bytes: int
 
 
-class Collectives(torch.nn.Module):
-    """The collectives of one rank, one process group per mesh axis, counting what they move."""
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG,
+               "product": dist.ReduceOp.PRODUCT}
 
-    def __init__(self, group_names: Sequence[str], axis_sizes: Sequence[int]) -> None:
+
+class _Pending:
+    """A collective started by ``torch.distributed`` (``async_op=True``): its work handle and its output."""
+
+    __slots__ = ("work", "result")
+
+    def __init__(self, work: Any, result: torch.Tensor) -> None:
+        self.work, self.result = work, result
+
+
+class Collectives(torch.nn.Module):
+    """The collectives of one rank, one process group per mesh axis, counting what they move.
+
+    ``direct`` (the default) calls ``torch.distributed`` itself (``all_reduce``, ``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``, ``all_to_all_single``, each ``async_op=True``, waited for by :meth:`wait_tensor`);
+    False calls the functional collectives (``torch.distributed._functional_collectives``), which
+    ``torch.compile`` traces. The values are the same; on gloo between CPU processes a functional
+    collective costs about 0.3 ms more per call (dispatch through its op registry and work map).
+    """
+
+    def __init__(self, group_names: Sequence[str], axis_sizes: Sequence[int], direct: bool = True) -> None:
         super().__init__()
         self.group_names = tuple(group_names)
         self.axis_sizes = tuple(axis_sizes)
+        self.direct = direct
         self.records: dict[tuple[str, str, int], CommRecord] = {}
         self.phase = "step"
+        self._groups: dict[int, Any] = {}
 
     @staticmethod
-    def from_device_mesh(device_mesh: DeviceMesh) -> "Collectives":
-        groups = [device_mesh.get_group(axis).group_name for axis in range(device_mesh.ndim)]
-        return Collectives(groups, tuple(device_mesh.shape))
+    def from_device_mesh(device_mesh: DeviceMesh, direct: bool = True) -> "Collectives":
+        groups = [device_mesh.get_group(axis) for axis in range(device_mesh.ndim)]
+        comm = Collectives([group.group_name for group in groups], tuple(device_mesh.shape), direct)
+        comm._groups = dict(enumerate(groups))
+        return comm
+
+    def _group(self, axis: int) -> Any:
+        group = self._groups.get(axis)
+        if group is None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = self._groups[axis] = _resolve_process_group(self.group_names[axis])
+        return group
+
+    def _start(self, kind: str, tensor: torch.Tensor, axis: int, op: str | None = None) -> Any:
+        """Start ``kind`` on the contiguous ``tensor`` along dim 0; returns what :meth:`wait_tensor` takes."""
+        if not self.direct:
+            name = self.group_names[axis]
+            if kind == "all_reduce":
+                return funcol.all_reduce(tensor, op, name)
+            if kind == "all_gather":
+                return funcol.all_gather_single(tensor, 0, name)
+            if kind == "reduce_scatter":
+                return funcol.reduce_scatter_single(tensor, op, 0, name)
+            return funcol.all_to_all_single(tensor, None, None, name)
+        k = self.axis_sizes[axis]
+        if kind == "all_reduce":
+            out = tensor.clone()  # functional, as the functional collective is: the input stays as it was
+        elif kind == "all_gather":
+            out = tensor.new_empty((k * tensor.shape[0], *tensor.shape[1:]))
+        elif kind == "reduce_scatter":
+            if tensor.shape[0] % k:
+                raise ValueError(f"reduce-scatter of a dim of {tensor.shape[0]} over {k} ranks: it must divide")
+            out = tensor.new_empty((tensor.shape[0] // k, *tensor.shape[1:]))
+        else:
+            out = torch.empty_like(tensor)
+        if tensor.numel() == 0:  # the same on every rank (pieces are padded to equal shapes): nothing to move
+            return _Pending(None, out)
+        group = self._group(axis)
+        if kind == "all_reduce":
+            work = dist.all_reduce(out, _REDUCE_OPS[op], group=group, async_op=True)
+        elif kind == "all_gather":
+            work = dist.all_gather_into_tensor(out, tensor, group=group, async_op=True)
+        elif kind == "reduce_scatter":
+            work = dist.reduce_scatter_tensor(out, tensor, _REDUCE_OPS[op], group=group, async_op=True)
+        else:
+            work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
+        return _Pending(work, out)
+
+    def wait_tensor(self, raw: Any) -> torch.Tensor:
+        """The output of a collective started by an ``issue_*`` method, once it has completed."""
+        if isinstance(raw, _Pending):
+            if raw.work is not None:
+                raw.work.wait()
+            return raw.result
+        return funcol.wait_tensor(raw)
 
     @contextlib.contextmanager
     def counting_as(self, phase: str) -> Iterator[None]:
@@ -85,17 +161,22 @@ class Collectives(torch.nn.Module):
         self.records[key] = CommRecord(old.count + 1, old.bytes + sent)
 
     def all_gather(self, tensor: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
-        out = funcol.wait_tensor(funcol.all_gather_single(tensor.contiguous(), dim, self.group_names[axis]))
+        gathered = self.wait_tensor(self._start("all_gather", tensor.contiguous(), axis))  # (k * n0, ...)
+        out = gathered if dim == 0 else torch.cat(gathered.chunk(self.axis_sizes[axis], 0), dim=dim)
         self._record("all_gather", axis, _nbytes(tensor), _nbytes(out))
         return out
 
     def all_reduce(self, tensor: torch.Tensor, axis: int, op: str) -> torch.Tensor:
-        out = funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), op, self.group_names[axis]))
+        out = self.wait_tensor(self._start("all_reduce", tensor.contiguous(), axis, op))
         self._record("all_reduce", axis, _nbytes(tensor), _nbytes(out))
         return out
 
     def reduce_scatter(self, tensor: torch.Tensor, axis: int, op: str, dim: int) -> torch.Tensor:
-        out = funcol.wait_tensor(funcol.reduce_scatter_single(tensor.contiguous(), op, dim, self.group_names[axis]))
+        k = self.axis_sizes[axis]
+        if tensor.shape[dim] % k:
+            raise ValueError(f"reduce-scatter of dim {dim} ({tensor.shape[dim]}) over {k} ranks: it must divide")
+        rows = tensor.contiguous() if dim == 0 else torch.cat(tensor.chunk(k, dim), dim=0)  # piece r in row block r
+        out = self.wait_tensor(self._start("reduce_scatter", rows, axis, op))
         self._record("reduce_scatter", axis, _nbytes(tensor), _nbytes(out))
         return out
 
@@ -103,7 +184,7 @@ class Collectives(torch.nn.Module):
         """``Shard(gather_dim) -> Shard(split_dim)`` on one axis: send piece r of ``split_dim`` to rank r."""
         size = self.axis_sizes[axis]
         pieces = torch.stack(tensor.chunk(size, dim=split_dim), dim=0).contiguous()  # (k, ..., n_split/k, ...)
-        received = funcol.wait_tensor(funcol.all_to_all_single(pieces, None, None, self.group_names[axis]))
+        received = self.wait_tensor(self._start("all_to_all", pieces, axis))
         out = torch.cat(received.unbind(0), dim=gather_dim)  # (..., n_gather, ..., n_split/k, ...)
         self._record("all_to_all", axis, _nbytes(tensor), _nbytes(out))
         return out
@@ -118,7 +199,7 @@ class Collectives(torch.nn.Module):
         k = self.axis_sizes[axis]
         moved = tensor.movedim(dim, 0)  # (n, ...)
         border = torch.cat([moved[:halo], moved[moved.shape[0] - halo:]]).contiguous()  # (2h, ...)
-        gathered = funcol.wait_tensor(funcol.all_gather_single(border, 0, self.group_names[axis]))  # (k * 2h, ...)
+        gathered = self.wait_tensor(self._start("all_gather", border, axis))  # (k * 2h, ...)
         gathered = gathered.view(k, 2 * halo, *border.shape[1:])  # (k, 2h, ...)
         zeros = torch.zeros_like(border[:halo])
         left = gathered[coordinate - 1, halo:] if coordinate > 0 else zeros  # (h, ...)
@@ -131,33 +212,33 @@ class Collectives(torch.nn.Module):
         """All-reduce every tensor with one collective on one flat buffer (the members' elements, in order)."""
         shapes = [tuple(tensor.shape) for tensor in tensors]
         raw = self.issue_all_reduce(pack_flat(tensors), axis, op, [_numel(shape) for shape in shapes])
-        return unpack_all_reduce(funcol.wait_tensor(raw), shapes)
+        return unpack_all_reduce(self.wait_tensor(raw), shapes)
 
     def coalesced_all_gather(self, tensors: Sequence[torch.Tensor], axis: int, dims: Sequence[int]) -> list[torch.Tensor]:
         """All-gather every tensor along its own dim with one collective (layout: :meth:`issue_all_gather`)."""
         shapes = [tuple(tensor.shape) for tensor in tensors]
         raw = self.issue_all_gather(pack_flat(tensors), axis, [_numel(shape) for shape in shapes])
-        return unpack_all_gather(funcol.wait_tensor(raw), self.axis_sizes[axis], shapes, dims)
+        return unpack_all_gather(self.wait_tensor(raw), self.axis_sizes[axis], shapes, dims)
 
     def coalesced_reduce_scatter(self, tensors: Sequence[torch.Tensor], axis: int, op: str, dims: Sequence[int]) -> list[torch.Tensor]:
         """Reduce-scatter every tensor along its own dim with one collective (layout: :func:`pack_for_reduce_scatter`)."""
         k = self.axis_sizes[axis]
         shapes = [_piece_shape(tuple(tensor.shape), dim, k) for tensor, dim in zip(tensors, dims)]
         raw = self.issue_reduce_scatter(pack_for_reduce_scatter(tensors, k, dims), axis, op, [t.numel() for t in tensors])
-        return unpack_reduce_scatter(funcol.wait_tensor(raw), shapes)
+        return unpack_reduce_scatter(self.wait_tensor(raw), shapes)
 
-    # -- asynchronous: pack, issue now, wait (funcol.wait_tensor) and unpack later ---------------
-    # Each ``issue_*`` starts one functional collective on a packed flat buffer (``pack_*``), counts
+    # -- asynchronous: pack, issue now, wait (wait_tensor) and unpack later ---------------------
+    # Each ``issue_*`` starts one collective on a packed flat buffer (``pack_*``), counts
     # the call and each member's bytes (``numels``: the members' input elements, which must add up
     # to the buffer), and returns the collective's raw output without waiting. The caller waits
-    # with ``funcol.wait_tensor`` where the results are first needed (metadist.lowering.overlap)
+    # with :meth:`wait_tensor` where the results are first needed (metadist.lowering.overlap)
     # and unpacks them with the matching ``unpack_*`` function. Packing is its own step so that
     # the members' tensors can be freed before the collective runs.
     def issue_all_reduce(self, flat: torch.Tensor, axis: int, op: str, numels: Sequence[int]) -> torch.Tensor:
         """Start one all-reduce of a (N,) buffer of members' elements (:func:`pack_flat`)."""
         item = _check_packed(flat, numels)
         self._record_call("all_reduce", axis, [(n * item, n * item) for n in numels])
-        return funcol.all_reduce(flat, op, self.group_names[axis])
+        return self._start("all_reduce", flat, axis, op)
 
     def issue_all_gather(self, flat: torch.Tensor, axis: int, numels: Sequence[int]) -> torch.Tensor:
         """Start one all-gather of a (N,) buffer of members' elements (:func:`pack_flat`).
@@ -168,7 +249,7 @@ class Collectives(torch.nn.Module):
         k = self.axis_sizes[axis]
         item = _check_packed(flat, numels)
         self._record_call("all_gather", axis, [(n * item, k * n * item) for n in numels])
-        return funcol.all_gather_single(flat, 0, self.group_names[axis])  # (k * N,)
+        return self._start("all_gather", flat, axis)  # (k * N,)
 
     def issue_reduce_scatter(self, buffer: torch.Tensor, axis: int, op: str, numels: Sequence[int]) -> torch.Tensor:
         """Start one reduce-scatter of a (k * N,) buffer in per-rank layout (:func:`pack_for_reduce_scatter`);
@@ -176,7 +257,7 @@ class Collectives(torch.nn.Module):
         k = self.axis_sizes[axis]
         item = _check_packed(buffer, numels)
         self._record_call("reduce_scatter", axis, [(n * item, n * item // k) for n in numels])
-        return funcol.reduce_scatter_single(buffer, op, 0, self.group_names[axis])  # (N,)
+        return self._start("reduce_scatter", buffer, axis, op)  # (N,)
 
     def issue_all_to_all(self, tensor: torch.Tensor, axis: int, split_dim: int) -> torch.Tensor:
         """Start ``Shard(gather_dim) -> Shard(split_dim)`` on one axis: piece r of ``split_dim`` goes to rank r.
@@ -186,7 +267,7 @@ class Collectives(torch.nn.Module):
         size = self.axis_sizes[axis]
         pieces = torch.stack(tensor.chunk(size, dim=split_dim), dim=0).contiguous()  # (k, ..., n_split/k, ...)
         self._record("all_to_all", axis, _nbytes(tensor), _nbytes(tensor))
-        return funcol.all_to_all_single(pieces, None, None, self.group_names[axis])
+        return self._start("all_to_all", pieces, axis)
 
 
 def pack_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,7 @@ returns the local output shards (graph output order). Local ops are
 ``call_method`` node (``coalesced_all_reduce`` etc.) on the list of its members'
 tensors, read back with ``getitem``. A collective that a later :class:`~metadist.lowering.Wait`
 completes (:mod:`metadist.lowering.overlap`) is two nodes apart: ``issue_*`` where it stands
-(starts the collective, returns its raw output) and ``funcol.wait_tensor`` at the ``Wait``,
+(starts the collective, returns its raw output) and ``comm.wait_tensor`` at the ``Wait``,
 followed by the ``unpack_*`` of its members and their local steps. Nothing in it is specific to CPU:
 ``torch.compile`` may be applied to it on GPUs.
 """
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.fx
 
 from ..frontends.torch.execute import materialize, resolve_op
@@ -68,7 +67,7 @@ def build_rank_module(
     issued: dict[str, _Issued] = {}
     for instruction in program.instructions:
         if isinstance(instruction, Wait):
-            _emit_wait(graph, env, issued, instruction)
+            _emit_wait(graph, comm_node, env, issued, instruction)
         elif isinstance(instruction, (Reshard, CoalescedReshard)) and _first_target(instruction) in awaited:
             _emit_issue(graph, comm_node, env, issued, instruction, program.mesh.shape)
         elif isinstance(instruction, Reshard):
@@ -167,15 +166,15 @@ def _emit_issue(graph: torch.fx.Graph, comm: torch.fx.Node, env: dict, issued: d
         issued[target] = record
 
 
-def _emit_wait(graph: torch.fx.Graph, env: dict, issued: dict, wait: Wait) -> None:
-    """One ``wait_tensor`` node on the issued collective's raw output, its unpacking, each member's ``post`` steps."""
+def _emit_wait(graph: torch.fx.Graph, comm: torch.fx.Node, env: dict, issued: dict, wait: Wait) -> None:
+    """One ``comm.wait_tensor`` node on the issued collective's raw output, its unpacking, each member's ``post`` steps."""
     record = issued.pop(wait.targets[0])
     if [target for target, _, _ in record.members] != list(wait.targets):
         raise ValueError(f"wait for {wait.targets} does not match the collective issued for "
                          f"{[target for target, _, _ in record.members]}")
     for target in wait.targets[1:]:
         issued.pop(target)
-    done = graph.call_function(funcol.wait_tensor, (record.raw,))
+    done = graph.call_method("wait_tensor", (comm, record.raw))
     step = record.step
     if step.kind == "all_to_all":
         results = [graph.call_function(unpack_all_to_all, (done, step.dim))]

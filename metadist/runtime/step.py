@@ -101,7 +101,8 @@ class CompiledStep:
         check_device_precision(torch_step.precision, _device_of(device_mesh))
         self.program: RankProgram = lower(torch_step.graph, plan, self.coords, bucket_cap_bytes=bucket_cap_bytes,
                                           overlap=overlap)
-        self.comm = Collectives.from_device_mesh(device_mesh)
+        # torch.compile traces the functional collectives; run as is, the rank calls torch.distributed itself
+        self.comm = Collectives.from_device_mesh(device_mesh, direct=compile_backend is None)
         self.device = _device_of(device_mesh)
         self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values,
                                         batch=not check_shapes)
