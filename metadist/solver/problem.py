@@ -292,10 +292,11 @@ class SharedCharge:
 
     The lowering reshards a value to a given sharding once and hands the result to every reader that needs it
     (:func:`metadist.solver.estimate._edges`), so ``seconds`` is paid when at least one of ``terms`` holds. A term is
-    the indicator that one reader needs this target while the producer gives this source: ``("y", e, p, q)``, edge
-    ``e``'s variable ``y[e, p, q]``, or ``("x", c, strategies)``, class ``c`` taking one of ``strategies`` (a reader
-    tied to the producer's class, or one end with a single strategy). A target only one reader can need is priced on
-    that reader's edge or strategy instead, as before: charges exist where readers really can share.
+    the indicator that one reader needs this target while the producer gives one of the sources that cost
+    ``seconds``: ``("y", e, sources, q)``, the sum of edge ``e``'s variables ``y[e, p, q]`` over ``p`` in ``sources``,
+    or ``("x", c, strategies)``, class ``c`` taking one of ``strategies`` (a reader tied to the producer's class, or
+    one end with a single strategy or label). A target only one distinct reader can need is priced on that reader's
+    edge or strategies instead: charges exist where readers really can share.
     """
 
     seconds: float
@@ -310,9 +311,9 @@ def term_active(problem: "Problem", term: tuple, choice: Mapping[int, int], move
         return moved[1] if moved is not None and moved[0] == c else choice[c]
 
     if term[0] == "y":
-        _, e, p, q = term
+        _, e, sources, q = term
         edge = problem.edges[e]
-        return edge.producer_label[pick(edge.producer)] == p and edge.consumer_label[pick(edge.consumer)] == q
+        return edge.consumer_label[pick(edge.consumer)] == q and edge.producer_label[pick(edge.producer)] in sources
     return pick(term[1]) in term[2]
 
 
@@ -402,16 +403,16 @@ class _Pricing:
         self.charges: dict[frozenset, float] = {}
         self.exact = True
 
-    def _term(self, a, p_label, p_count, pi, reader: _Reader, qi):
-        """The indicator that the producer gives label ``pi`` and ``reader`` needs label ``qi`` (None: never)."""
+    def _term(self, a, p_label, p_count, sources: frozenset, reader: _Reader, qi):
+        """The indicator that the producer gives a label in ``sources`` and ``reader`` needs label ``qi`` (None: never)."""
         if reader.cls == a:
-            chosen = tuple(s for s, (p, q) in enumerate(zip(p_label, reader.label)) if p == pi and q == qi)
+            chosen = tuple(s for s, (p, q) in enumerate(zip(p_label, reader.label)) if p in sources and q == qi)
             return ("x", a, chosen) if chosen else None
         if len(reader.index) == 1:
-            return ("x", a, tuple(s for s, p in enumerate(p_label) if p == pi))
+            return ("x", a, tuple(s for s, p in enumerate(p_label) if p in sources))
         if p_count == 1:
             return ("x", reader.cls, tuple(t for t, q in enumerate(reader.label) if q == qi))
-        return ("y", (a, reader.cls, p_label, reader.label), pi, qi)
+        return ("y", (a, reader.cls, p_label, reader.label), tuple(sorted(sources)), qi)
 
     def _charge(self, seconds: float, terms: set, a: int, pi_strategies: tuple) -> None:
         """Pay ``seconds`` when any of ``terms`` holds: on the one term, or as a shared charge."""
@@ -430,7 +431,9 @@ class _Pricing:
                 for s in term[2]:
                     row[s] += seconds
             else:
-                self._pair(term[1])[term[2]][term[3]] += seconds
+                matrix = self._pair(term[1])
+                for p in term[2]:  # one source at a time holds
+                    matrix[p][term[3]] += seconds
             return
         for term in terms:
             if term[0] == "y":
@@ -465,13 +468,13 @@ class _Pricing:
                 reader = distinct[key] = _Reader(b, label, q_index, share)
             reader.share = max(reader.share, share)
             order.append((reader, share))
-        p_strategies = {pi: tuple(s for s, p in enumerate(p_label) if p == pi) for pi in p_index.values()}
         for target in dict.fromkeys(q for reader in distinct.values() for q in reader.index):
             needing = [r for r in distinct.values() if target in r.index]
             raw = [share for reader, share in order if target in reader.index]
             if any(x < y for x, y in zip(raw, raw[1:])):
                 self.exact = False  # a bucketed reader first: the lowering pays its share, the tiers the largest
             shares = sorted({r.share for r in needing}, reverse=True)
+            groups: dict[tuple[float, float], list[int]] = {}  # (share tier, seconds) -> the sources that cost that
             for p, pi in p_index.items():
                 costs = [self.price(spec, p, target, share, limited) for share in shares]
                 if math.isinf(costs[-1]):
@@ -480,12 +483,14 @@ class _Pricing:
                     tiers = [(share, cost - (costs[k + 1] if k + 1 < len(costs) else 0.0))
                              for k, (share, cost) in enumerate(zip(shares, costs))]
                 for share, seconds in tiers:
-                    if seconds == 0.0:
-                        continue
-                    terms = {self._term(a, p_label, len(p_index), pi, r, r.index[target]) for r in needing if r.share >= share}
-                    terms.discard(None)
-                    if terms:
-                        self._charge(count * seconds, terms, a, p_strategies[pi])
+                    if seconds != 0.0:
+                        groups.setdefault((share, seconds), []).append(pi)
+            for (share, seconds), sources in groups.items():
+                sources = frozenset(sources)
+                terms = {self._term(a, p_label, len(p_index), sources, r, r.index[target]) for r in needing if r.share >= share}
+                terms.discard(None)
+                if terms:
+                    self._charge(count * seconds, terms, a, tuple(s for s, p in enumerate(p_label) if p in sources))
 
 
 def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, restricted: frozenset[str]):
