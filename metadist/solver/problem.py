@@ -401,6 +401,7 @@ class _Pricing:
         self.units, self.price, self.linear = units, price, linear
         self.pairs: dict[tuple, list[list[float]]] = {}
         self.charges: dict[frozenset, float] = {}
+        self.groups_cache: dict[tuple, dict] = {}
         self.exact = True
 
     def _term(self, a, p_label, p_count, sources: frozenset, reader: _Reader, qi):
@@ -473,8 +474,20 @@ class _Pricing:
             raw = [share for reader, share in order if target in reader.index]
             if any(x < y for x, y in zip(raw, raw[1:])):
                 self.exact = False  # a bucketed reader first: the lowering pays its share, the tiers the largest
-            shares = sorted({r.share for r in needing}, reverse=True)
-            groups: dict[tuple[float, float], list[int]] = {}  # (share tier, seconds) -> the sources that cost that
+            shares = tuple(sorted({r.share for r in needing}, reverse=True))
+            for (share, seconds), sources in self._groups(spec, p_index, limited, target, shares):
+                terms = {self._term(a, p_label, len(p_index), sources, r, r.index[target]) for r in needing if r.share >= share}
+                terms.discard(None)
+                if terms:
+                    self._charge(count * seconds, terms, a, tuple(s for s, p in enumerate(p_label) if p in sources))
+
+    def _groups(self, spec, p_index: dict, limited: bool, target, shares: tuple) -> list:
+        """((share tier, seconds), sources) of the reshardings of ``spec`` to ``target``: the sources whose price, in the
+        tier of readers with at least that share, is ``seconds`` (kept per producer layout: tied layers repeat them)."""
+        by_sources = self.groups_cache.setdefault((spec, tuple(p_index), limited), {})
+        found = by_sources.get((target, shares))
+        if found is None:
+            groups: dict[tuple[float, float], list[int]] = {}
             for p, pi in p_index.items():
                 costs = [self.price(spec, p, target, share, limited) for share in shares]
                 if math.isinf(costs[-1]):
@@ -485,12 +498,8 @@ class _Pricing:
                 for share, seconds in tiers:
                     if seconds != 0.0:
                         groups.setdefault((share, seconds), []).append(pi)
-            for (share, seconds), sources in groups.items():
-                sources = frozenset(sources)
-                terms = {self._term(a, p_label, len(p_index), sources, r, r.index[target]) for r in needing if r.share >= share}
-                terms.discard(None)
-                if terms:
-                    self._charge(count * seconds, terms, a, tuple(s for s, p in enumerate(p_label) if p in sources))
+            found = by_sources[(target, shares)] = [(key, frozenset(sources)) for key, sources in groups.items()]
+        return found
 
 
 def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, restricted: frozenset[str]):
