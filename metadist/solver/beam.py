@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from .ilp import Solution
-from .problem import Problem, charge_classes, charge_s
+from .problem import Problem, charge_classes, charge_row
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,17 @@ def beam_search(problem: Problem, memory_budget_bytes: float | None, width: int 
     for i, c in enumerate(order):
         candidates = []
         for parent, state in enumerate(beam):
+            shared = [0.0] * problem.strategy_count(c)
+            if settled[c]:
+                partial = dict(zip(order, state.choices))  # the classes visited so far
+                for charge in settled[c]:
+                    for s, seconds in enumerate(charge_row(problem, charge, partial, c)):
+                        shared[s] += seconds
             for s in range(problem.strategy_count(c)):
                 cost = state.cost_s + problem.compute_s[c][s] + problem.linear_comm_s[c][s]
                 for edge, other in incoming[c]:
                     cost += _edge_cost(edge, c, s, state.choices[rank[other]])
-                if settled[c]:
-                    partial = {order[j]: state.choices[j] for j in range(i)}
-                    partial[c] = s
-                    cost += sum(charge_s(problem, charge, partial) for charge in settled[c])
+                cost += shared[s]
                 memory = tuple(
                     used + (coefficients[c][s] if c in coefficients else 0.0)
                     for used, coefficients in zip(state.memory_bytes, problem.memory_bytes)

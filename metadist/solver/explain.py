@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..ir.plan import Plan
 from .errors import SolverError
-from .problem import Problem, charge_classes, charge_s
+from .problem import Problem, charge_classes, charge_row
 
 
 def _class_costs(problem: Problem, c: int, choice: Mapping[int, int], charges=()) -> tuple[list[float], list[float]]:
@@ -32,8 +32,8 @@ def _class_costs(problem: Problem, c: int, choice: Mapping[int, int], charges=()
             for s in range(count):
                 comm[s] += edge.comm_s[p][edge.consumer_label[s]]
     for charge in charges:  # the shared charges class ``c`` takes part in
-        for s in range(count):
-            comm[s] += charge_s(problem, charge, choice, (c, s))
+        for s, seconds in enumerate(charge_row(problem, charge, choice, c)):
+            comm[s] += seconds
     return compute, comm
 
 

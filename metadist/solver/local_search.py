@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .problem import ClassEdge, Problem, SharedCharge, charge_classes, charge_s
+from .problem import ClassEdge, Problem, SharedCharge, charge_classes, charge_row, charge_s
 
 
 def round_relaxation(problem: Problem, weights: Mapping[int, Sequence[float]]) -> dict[int, int]:
@@ -65,11 +65,12 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
         moved = False
         for c in movable:
             current = choice[c]
-            best, best_s = _class_s(problem, touching[c], charges[c], choice, c, current), current
+            shared = _charges_row(problem, charges[c], choice, c)
+            best, best_s = _class_s(problem, touching[c], choice, c, current) + shared[current], current
             for s in range(problem.strategy_count(c)):
                 if s == current or (c in allowed and s not in allowed[c]):
                     continue
-                seconds = _class_s(problem, touching[c], charges[c], choice, c, s)
+                seconds = _class_s(problem, touching[c], choice, c, s) + shared[s]
                 if seconds < best - 1e-12 and _fits(peaks, used, c, current, s, budget_bytes):
                     best, best_s = seconds, s
             if best_s != current:
@@ -84,16 +85,23 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
     return choice
 
 
-def _class_s(problem: Problem, edges: Sequence[ClassEdge], charges: Sequence[SharedCharge], choice: Mapping[int, int],
-             c: int, s: int) -> float:
-    """The objective terms that depend on class ``c``, with ``c`` taking strategy ``s``."""
+def _class_s(problem: Problem, edges: Sequence[ClassEdge], choice: Mapping[int, int], c: int, s: int) -> float:
+    """The objective terms that depend on class ``c`` but its shared charges (:func:`_charges_row`), with ``c`` taking ``s``."""
     seconds = problem.compute_s[c][s] + problem.linear_comm_s[c][s]
     for edge in edges:
         producer = s if edge.producer == c else choice[edge.producer]
         consumer = s if edge.consumer == c else choice[edge.consumer]
         seconds += _edge_s(edge, producer, consumer)
-    seconds += sum(charge_s(problem, charge, choice, (c, s)) for charge in charges)
     return seconds
+
+
+def _charges_row(problem: Problem, charges: Sequence[SharedCharge], choice: Mapping[int, int], c: int) -> list[float]:
+    """The shared charges' seconds for each strategy of class ``c``, the others at ``choice``."""
+    row = [0.0] * problem.strategy_count(c)
+    for charge in charges:
+        for s, seconds in enumerate(charge_row(problem, charge, choice, c)):
+            row[s] += seconds
+    return row
 
 
 def _edge_s(edge: ClassEdge, producer_strategy: int, consumer_strategy: int) -> float:

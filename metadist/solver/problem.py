@@ -322,6 +322,34 @@ def charge_s(problem: "Problem", charge: SharedCharge, choice: Mapping[int, int]
     return charge.seconds if any(term_active(problem, term, choice, moved) for term in charge.terms) else 0.0
 
 
+def charge_row(problem: "Problem", charge: SharedCharge, choice: Mapping[int, int], c: int) -> list[float]:
+    """The seconds ``charge`` adds for each strategy of class ``c``, every other class at ``choice``."""
+    count = problem.strategy_count(c)
+    active = [False] * count
+    for term in charge.terms:
+        if term[0] == "x":
+            if term[1] != c:
+                if choice[term[1]] in term[2]:
+                    return [charge.seconds] * count
+                continue
+            for s in term[2]:
+                active[s] = True
+            continue
+        _, e, sources, q = term
+        edge = problem.edges[e]
+        if edge.producer == c:
+            if edge.consumer_label[choice[edge.consumer]] == q:
+                for s, p in enumerate(edge.producer_label):
+                    active[s] = active[s] or p in sources
+        elif edge.consumer == c:
+            if edge.producer_label[choice[edge.producer]] in sources:
+                for s, label in enumerate(edge.consumer_label):
+                    active[s] = active[s] or label == q
+        elif term_active(problem, term, choice):
+            return [charge.seconds] * count
+    return [charge.seconds if flag else 0.0 for flag in active]
+
+
 def charge_classes(problem: "Problem", charge: SharedCharge) -> frozenset[int]:
     """The classes whose strategies decide ``charge``."""
     found = set()
