@@ -216,9 +216,8 @@ class ShardingILP:
         for charge, z in zip(self.problem.charges, self.z):
             for term in charge.terms:
                 if term[0] == "y":
-                    _, e, sources, q = term
-                    ys = [self.y[e][p][q] for p in sources]
-                    self.rows.append(([z] + ys, [1.0] + [-1.0] * len(ys), 0.0, highspy.kHighsInf))
+                    _, e, p, q = term
+                    self.rows.append(([z, self.y[e][p][q]], [1.0, -1.0], 0.0, highspy.kHighsInf))
                 else:
                     xs = [self.x[term[1]][s] for s in term[2]]
                     self.rows.append(([z] + xs, [1.0] + [-1.0] * len(xs), 0.0, highspy.kHighsInf))

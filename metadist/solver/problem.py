@@ -292,9 +292,8 @@ class SharedCharge:
 
     The lowering reshards a value to a given sharding once and hands the result to every reader that needs it
     (:func:`metadist.solver.estimate._edges`), so ``seconds`` is paid when at least one of ``terms`` holds. A term is
-    the indicator that one reader needs this target while the producer gives one of the sources that cost
-    ``seconds``: ``("y", e, sources, q)``, the sum of edge ``e``'s variables ``y[e, p, q]`` over ``p`` in ``sources``,
-    or ``("x", c, strategies)``, class ``c`` taking one of ``strategies`` (a reader tied to the producer's class, or
+    the indicator that one reader needs this target while the producer gives this source: ``("y", e, p, q)``, edge
+    ``e``'s variable ``y[e, p, q]``, or ``("x", c, strategies)``, class ``c`` taking one of ``strategies`` (a reader tied to the producer's class, or
     one end with a single strategy or label). A target only one distinct reader can need is priced on that reader's
     edge or strategies instead: charges exist where readers really can share.
     """
@@ -311,9 +310,9 @@ def term_active(problem: "Problem", term: tuple, choice: Mapping[int, int], move
         return moved[1] if moved is not None and moved[0] == c else choice[c]
 
     if term[0] == "y":
-        _, e, sources, q = term
+        _, e, p, q = term
         edge = problem.edges[e]
-        return edge.consumer_label[pick(edge.consumer)] == q and edge.producer_label[pick(edge.producer)] in sources
+        return edge.producer_label[pick(edge.producer)] == p and edge.consumer_label[pick(edge.consumer)] == q
     return pick(term[1]) in term[2]
 
 
@@ -335,14 +334,14 @@ def charge_row(problem: "Problem", charge: SharedCharge, choice: Mapping[int, in
             for s in term[2]:
                 active[s] = True
             continue
-        _, e, sources, q = term
+        _, e, source, q = term
         edge = problem.edges[e]
         if edge.producer == c:
             if edge.consumer_label[choice[edge.consumer]] == q:
                 for s, p in enumerate(edge.producer_label):
-                    active[s] = active[s] or p in sources
+                    active[s] = active[s] or p == source
         elif edge.consumer == c:
-            if edge.producer_label[choice[edge.producer]] in sources:
+            if edge.producer_label[choice[edge.producer]] == source:
                 for s, label in enumerate(edge.consumer_label):
                     active[s] = active[s] or label == q
         elif term_active(problem, term, choice):
@@ -412,6 +411,8 @@ class _Reader:
     """Needed sharding -> its label."""
     share: float
     """The largest fixed-cost share of the readers it stands for."""
+    strategies: dict = field(default_factory=dict)
+    """Strategies of ``cls`` per needed label, or per (source label, needed label) when ``cls`` is the producer's class."""
 
 
 class _Pricing:
@@ -423,58 +424,18 @@ class _Pricing:
     :class:`SharedCharge`. Readers with different fixed-cost shares (bucketed and not) pay the largest share among those
     that need the target, in tiers; the lowering pays its first reader's share, the same unless a bucketed reader comes
     first (``exact`` turns False, and the planner checks the baselines).
+
+    One charge per source: grouping the sources of equal price into one charge is exact at integral points too, but
+    its relaxation is weaker (the readers' fractional needs add up within a group); on LLaMA-70B 128x8 it turned an
+    integral relaxation fractional.
     """
 
     def __init__(self, units, price, linear) -> None:
         self.units, self.price, self.linear = units, price, linear
         self.pairs: dict[tuple, list[list[float]]] = {}
         self.charges: dict[frozenset, float] = {}
-        self.groups_cache: dict[tuple, dict] = {}
+        self.prices: dict[tuple, dict] = {}
         self.exact = True
-
-    def _term(self, a, p_label, p_count, sources: frozenset, reader: _Reader, qi):
-        """The indicator that the producer gives a label in ``sources`` and ``reader`` needs label ``qi`` (None: never)."""
-        if reader.cls == a:
-            chosen = tuple(s for s, (p, q) in enumerate(zip(p_label, reader.label)) if p in sources and q == qi)
-            return ("x", a, chosen) if chosen else None
-        if len(reader.index) == 1:
-            return ("x", a, tuple(s for s, p in enumerate(p_label) if p in sources))
-        if p_count == 1:
-            return ("x", reader.cls, tuple(t for t, q in enumerate(reader.label) if q == qi))
-        return ("y", (a, reader.cls, p_label, reader.label), tuple(sorted(sources)), qi)
-
-    def _charge(self, seconds: float, terms: set, a: int, pi_strategies: tuple) -> None:
-        """Pay ``seconds`` when any of ``terms`` holds: on the one term, or as a shared charge."""
-        xs = [t for t in terms if t[0] == "x"]
-        always = next((t for t in xs if len(t[2]) == len(self.units[t[1]].strategies)), None)
-        if always is not None:
-            terms = {always}  # a term every strategy of its class makes true: the resharding always runs
-        elif any(t[1] == a and set(pi_strategies) <= set(t[2]) for t in xs):
-            terms = {("x", a, pi_strategies)}  # the producer's own label implies every other term
-        else:  # a class's term inside another term of that class says nothing more
-            terms = {t for t in terms if not (t[0] == "x" and any(o[1] == t[1] and set(t[2]) < set(o[2]) for o in xs))}
-        if len(terms) == 1:
-            (term,) = terms
-            if term[0] == "x":
-                row = self.linear[term[1]]
-                for s in term[2]:
-                    row[s] += seconds
-            else:
-                matrix = self._pair(term[1])
-                for p in term[2]:  # one source at a time holds
-                    matrix[p][term[3]] += seconds
-            return
-        for term in terms:
-            if term[0] == "y":
-                self._pair(term[1])
-        key = frozenset(terms)
-        self.charges[key] = self.charges.get(key, 0.0) + seconds
-
-    def _pair(self, key) -> list[list[float]]:
-        matrix = self.pairs.get(key)
-        if matrix is None:
-            matrix = self.pairs[key] = [[0.0] * (max(key[3]) + 1) for _ in range(max(key[2]) + 1)]
-        return matrix
 
     def value(self, a: int, pm: int, pk: int, spec, limited: bool, readers: tuple, count: int) -> None:
         """Price one value (``count`` tied copies): producer class ``a``, readers (class, member, slot, share)."""
@@ -482,6 +443,7 @@ class _Pricing:
         p_all = [_output_sharding(unit, s, pm, pk) for s in range(len(unit.strategies))]
         p_index = {p: i for i, p in enumerate(dict.fromkeys(p_all))}
         p_label = tuple(p_index[p] for p in p_all)
+        p_strategies = _strategies_by(p_label)
         distinct: dict[tuple, _Reader] = {}
         order: list[tuple[_Reader, float]] = []  # per reader in graph order: its distinct reader and its share
         for b, cm, slot, share in readers:
@@ -495,39 +457,113 @@ class _Pricing:
             reader = distinct.get(key)
             if reader is None:
                 reader = distinct[key] = _Reader(b, label, q_index, share)
+                reader.strategies = _strategies_by(tuple(zip(p_label, label)) if b == a else label)
             reader.share = max(reader.share, share)
             order.append((reader, share))
+        p_list, every_source = tuple(p_index), tuple(range(len(p_index)))
         for target in dict.fromkeys(q for reader in distinct.values() for q in reader.index):
             needing = [r for r in distinct.values() if target in r.index]
-            raw = [share for reader, share in order if target in reader.index]
-            if any(x < y for x, y in zip(raw, raw[1:])):
-                self.exact = False  # a bucketed reader first: the lowering pays its share, the tiers the largest
+            if all(r.cls == a for r in needing):  # tied to the producer: only the sources its strategies pair with target
+                wanted = sorted({pi for r in needing for pi, qi in r.strategies if qi == r.index[target]})
+            else:
+                wanted = every_source
+            if len(needing) > 1:
+                raw = [share for reader, share in order if target in reader.index]
+                if any(x < y for x, y in zip(raw, raw[1:])):
+                    self.exact = False  # a bucketed reader first: the lowering pays its share, the tiers the largest
             shares = tuple(sorted({r.share for r in needing}, reverse=True))
-            for (share, seconds), sources in self._groups(spec, p_index, limited, target, shares):
-                terms = {self._term(a, p_label, len(p_index), sources, r, r.index[target]) for r in needing if r.share >= share}
-                terms.discard(None)
+            if len(needing) == 1:  # one reader: each source's price on its term, no sharing to find
+                reader = needing[0]
+                qi = reader.index[target]
+                for _, seconds, pi in self._prices(spec, p_list, limited, target, shares, wanted):
+                    term = self._term(a, p_label, p_strategies, pi, reader, qi)
+                    if term is not None:
+                        self._pay(count * seconds, term)
+                continue
+            for share, seconds, pi in self._prices(spec, p_list, limited, target, shares, wanted):
+                terms = set()
+                for reader in needing:
+                    if reader.share >= share:
+                        term = self._term(a, p_label, p_strategies, pi, reader, reader.index[target])
+                        if term is not None:
+                            terms.add(term)
                 if terms:
-                    self._charge(count * seconds, terms, a, tuple(s for s, p in enumerate(p_label) if p in sources))
+                    self._charge(count * seconds, terms, a, p_strategies[pi])
 
-    def _groups(self, spec, p_index: dict, limited: bool, target, shares: tuple) -> list:
-        """((share tier, seconds), sources) of the reshardings of ``spec`` to ``target``: the sources whose price, in the
-        tier of readers with at least that share, is ``seconds`` (kept per producer layout: tied layers repeat them)."""
-        by_sources = self.groups_cache.setdefault((spec, tuple(p_index), limited), {})
-        found = by_sources.get((target, shares))
-        if found is None:
-            groups: dict[tuple[float, float], list[int]] = {}
-            for p, pi in p_index.items():
-                costs = [self.price(spec, p, target, share, limited) for share in shares]
+    def _prices(self, spec, p_list: tuple, limited: bool, target, shares: tuple, wanted) -> list[tuple[float, float, int]]:
+        """(share tier, seconds, source label) of each resharding of ``spec`` from a source in ``wanted`` to ``target`` that
+        costs something, per tier of readers with at least that share (kept per producer layout and target: tied
+        layers repeat them)."""
+        sources = self.prices.setdefault((spec, p_list, limited), {}).setdefault((target, shares), {})
+        found = []
+        for pi in wanted:
+            tiers = sources.get(pi)
+            if tiers is None:
+                costs = [self.price(spec, p_list[pi], target, share, limited) for share in shares]
                 if math.isinf(costs[-1]):
                     tiers = [(shares[-1], math.inf)]
                 else:
                     tiers = [(share, cost - (costs[k + 1] if k + 1 < len(costs) else 0.0))
                              for k, (share, cost) in enumerate(zip(shares, costs))]
-                for share, seconds in tiers:
-                    if seconds != 0.0:
-                        groups.setdefault((share, seconds), []).append(pi)
-            found = by_sources[(target, shares)] = [(key, frozenset(sources)) for key, sources in groups.items()]
+                tiers = sources[pi] = [(share, seconds, pi) for share, seconds in tiers if seconds != 0.0]
+            found += tiers
         return found
+
+    @staticmethod
+    def _term(a, p_label, p_strategies, pi, reader: _Reader, qi):
+        """The indicator that the producer gives label ``pi`` and ``reader`` needs label ``qi`` (None: never)."""
+        if reader.cls == a:
+            chosen = reader.strategies.get((pi, qi))
+            return None if chosen is None else ("x", a, chosen)
+        if len(reader.index) == 1:
+            return ("x", a, p_strategies[pi])
+        if len(p_strategies) == 1:
+            return ("x", reader.cls, reader.strategies[qi])
+        return ("y", (a, reader.cls, p_label, reader.label), pi, qi)
+
+    def _charge(self, seconds: float, terms: set, a: int, own: tuple) -> None:
+        """Pay ``seconds`` when any of ``terms`` holds: on the one term, or as a shared charge (``own``: the producer's
+        strategies giving this source, which every term implies)."""
+        if len(terms) > 1:
+            xs = [t for t in terms if t[0] == "x"]
+            always = next((t for t in xs if len(t[2]) == len(self.units[t[1]].strategies)), None)
+            if always is not None:
+                terms = {always}  # a term every strategy of its class makes true: the resharding always runs
+            elif any(t[1] == a and set(own) <= set(t[2]) for t in xs):
+                terms = {("x", a, own)}  # the producer's own label implies every other term
+            elif len(xs) > 1:  # a class's term inside another term of that class says nothing more
+                terms = {t for t in terms if not (t[0] == "x" and any(o[1] == t[1] and set(t[2]) < set(o[2]) for o in xs))}
+        if len(terms) == 1:
+            self._pay(seconds, next(iter(terms)))
+            return
+        for term in terms:
+            if term[0] == "y":
+                self._pair(term[1])
+        key = frozenset(terms)
+        self.charges[key] = self.charges.get(key, 0.0) + seconds
+
+    def _pay(self, seconds: float, term: tuple) -> None:
+        """Pay ``seconds`` whenever ``term`` holds: on its class's strategies, or on its edge variable."""
+        if term[0] == "x":
+            row = self.linear[term[1]]
+            for s in term[2]:
+                row[s] += seconds
+        else:
+            self._pair(term[1])[term[2]][term[3]] += seconds
+
+    def _pair(self, key) -> list[list[float]]:
+        matrix = self.pairs.get(key)
+        if matrix is None:
+            matrix = self.pairs[key] = [[0.0] * (max(key[3]) + 1) for _ in range(max(key[2]) + 1)]
+        return matrix
+
+
+def _strategies_by(labels: tuple) -> dict:
+    """Label -> the strategies (indices) that have it."""
+    found: dict = {}
+    for s, label in enumerate(labels):
+        found.setdefault(label, []).append(s)
+    return {label: tuple(strategies) for label, strategies in found.items()}
 
 
 def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, restricted: frozenset[str]):
