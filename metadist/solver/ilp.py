@@ -63,7 +63,7 @@ import numpy as np
 
 from .errors import SolverError
 from .local_search import improve, memory_at_peaks, objective_s, round_relaxation
-from .problem import Problem, charge_s
+from .problem import EDGE_TERM, Problem, charge_s
 from .recompute import RecomputeTerms
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class ShardingILP:
         """``z[h] >= term`` for each term of charge ``h``: paid once when any reader needs that resharding."""
         for charge, z in zip(self.problem.charges, self.z):
             for term in charge.terms:
-                if term[0] == "y":
+                if term[0] == EDGE_TERM:
                     _, e, p, q = term
                     self.rows.append(([z, self.y[e][p][q]], [1.0, -1.0], 0.0, highspy.kHighsInf))
                 else:

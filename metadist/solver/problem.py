@@ -286,14 +286,18 @@ class _Reshard:
         return seconds
 
 
+CLASS_TERM, EDGE_TERM = 0, 1
+"""Kinds of a :class:`SharedCharge` term (ints, so that sets of terms iterate in the same order in every process)."""
+
+
 @dataclass(frozen=True)
 class SharedCharge:
     """A resharding several readers of one value may need: paid once when any of them needs it, as the lowering runs it.
 
     The lowering reshards a value to a given sharding once and hands the result to every reader that needs it
     (:func:`metadist.solver.estimate._edges`), so ``seconds`` is paid when at least one of ``terms`` holds. A term is
-    the indicator that one reader needs this target while the producer gives this source: ``("y", e, p, q)``, edge
-    ``e``'s variable ``y[e, p, q]``, or ``("x", c, strategies)``, class ``c`` taking one of ``strategies`` (a reader tied to the producer's class, or
+    the indicator that one reader needs this target while the producer gives this source: ``(EDGE_TERM, e, p, q)``, edge
+    ``e``'s variable ``y[e, p, q]``, or ``(CLASS_TERM, c, strategies)``, class ``c`` taking one of ``strategies`` (a reader tied to the producer's class, or
     one end with a single strategy or label). A target only one distinct reader can need is priced on that reader's
     edge or strategies instead: charges exist where readers really can share.
     """
@@ -309,7 +313,7 @@ def term_active(problem: "Problem", term: tuple, choice: Mapping[int, int], move
     def pick(c: int) -> int:
         return moved[1] if moved is not None and moved[0] == c else choice[c]
 
-    if term[0] == "y":
+    if term[0] == EDGE_TERM:
         _, e, p, q = term
         edge = problem.edges[e]
         return edge.producer_label[pick(edge.producer)] == p and edge.consumer_label[pick(edge.consumer)] == q
@@ -326,7 +330,7 @@ def charge_row(problem: "Problem", charge: SharedCharge, choice: Mapping[int, in
     count = problem.strategy_count(c)
     active = [False] * count
     for term in charge.terms:
-        if term[0] == "x":
+        if term[0] == CLASS_TERM:
             if term[1] != c:
                 if choice[term[1]] in term[2]:
                     return [charge.seconds] * count
@@ -353,7 +357,7 @@ def charge_classes(problem: "Problem", charge: SharedCharge) -> frozenset[int]:
     """The classes whose strategies decide ``charge``."""
     found = set()
     for term in charge.terms:
-        if term[0] == "y":
+        if term[0] == EDGE_TERM:
             edge = problem.edges[term[1]]
             found.update((edge.producer, edge.consumer))
         else:
@@ -514,37 +518,37 @@ class _Pricing:
         """The indicator that the producer gives label ``pi`` and ``reader`` needs label ``qi`` (None: never)."""
         if reader.cls == a:
             chosen = reader.strategies.get((pi, qi))
-            return None if chosen is None else ("x", a, chosen)
+            return None if chosen is None else (CLASS_TERM, a, chosen)
         if len(reader.index) == 1:
-            return ("x", a, p_strategies[pi])
+            return (CLASS_TERM, a, p_strategies[pi])
         if len(p_strategies) == 1:
-            return ("x", reader.cls, reader.strategies[qi])
-        return ("y", (a, reader.cls, p_label, reader.label), pi, qi)
+            return (CLASS_TERM, reader.cls, reader.strategies[qi])
+        return (EDGE_TERM, (a, reader.cls, p_label, reader.label), pi, qi)
 
     def _charge(self, seconds: float, terms: set, a: int, own: tuple) -> None:
         """Pay ``seconds`` when any of ``terms`` holds: on the one term, or as a shared charge (``own``: the producer's
         strategies giving this source, which every term implies)."""
         if len(terms) > 1:
-            xs = [t for t in terms if t[0] == "x"]
-            always = next((t for t in xs if len(t[2]) == len(self.units[t[1]].strategies)), None)
+            xs = [t for t in terms if t[0] == CLASS_TERM]
+            always = min((t for t in xs if len(t[2]) == len(self.units[t[1]].strategies)), default=None)
             if always is not None:
                 terms = {always}  # a term every strategy of its class makes true: the resharding always runs
             elif any(t[1] == a and set(own) <= set(t[2]) for t in xs):
-                terms = {("x", a, own)}  # the producer's own label implies every other term
+                terms = {(CLASS_TERM, a, own)}  # the producer's own label implies every other term
             elif len(xs) > 1:  # a class's term inside another term of that class says nothing more
-                terms = {t for t in terms if not (t[0] == "x" and any(o[1] == t[1] and set(t[2]) < set(o[2]) for o in xs))}
+                terms = {t for t in terms if not (t[0] == CLASS_TERM and any(o[1] == t[1] and set(t[2]) < set(o[2]) for o in xs))}
         if len(terms) == 1:
             self._pay(seconds, next(iter(terms)))
             return
-        for term in terms:
-            if term[0] == "y":
+        for term in sorted(terms):  # edges in a reproducible order: the terms hold ints only, so does their hash
+            if term[0] == EDGE_TERM:
                 self._pair(term[1])
         key = frozenset(terms)
         self.charges[key] = self.charges.get(key, 0.0) + seconds
 
     def _pay(self, seconds: float, term: tuple) -> None:
         """Pay ``seconds`` whenever ``term`` holds: on its class's strategies, or on its edge variable."""
-        if term[0] == "x":
+        if term[0] == CLASS_TERM:
             row = self.linear[term[1]]
             for s in term[2]:
                 row[s] += seconds
@@ -581,7 +585,7 @@ def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, r
         position[key] = len(edges)
         edges.append(ClassEdge(*key, tuple(tuple(row) for row in matrix)))
     charges = tuple(
-        SharedCharge(seconds, tuple(sorted((t if t[0] == "x" else ("y", position[t[1]], t[2], t[3]) for t in terms), key=repr)))
+        SharedCharge(seconds, tuple(sorted(t if t[0] == CLASS_TERM else (EDGE_TERM, position[t[1]], t[2], t[3]) for t in terms)))
         for terms, seconds in pricing.charges.items()
     )
     return pricing.linear, tuple(edges), charges, pricing.exact
