@@ -50,7 +50,7 @@ def test_readers_share_one_resharding_and_the_ilp_prices_it_once():
     assert all(plan.node_strategies[f"read_{i}"].inputs == ((R,),) for i in range(READERS))
     assert plan.estimate["collectives_by_kind"] == {"all_gather": 1}  # ... and gathered once for all its readers
     assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-9)
-    assert plan.solver["baselines_checked"].startswith("not needed")
+    assert plan.solver["baselines_checked"] == {} and plan.solver["baselines_reason"].startswith("not needed")
 
 
 def _strategies(graph, rules, cluster, name):
@@ -89,6 +89,7 @@ def test_a_search_priced_unlike_the_estimate_still_never_costs_more_than_a_basel
     dp = baseline_plan(graph, rules, cluster, "dp")
     monkeypatch.setattr(problem_module._Pricing, "value", per_reader)
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
-    assert isinstance(plan.solver["baselines_checked"], dict) and "largest share" in plan.solver["baselines_reason"]
+    assert set(plan.solver["baselines_checked"]) == {"dp", "zero2", "zero3", "megatron"}
+    assert "largest share" in plan.solver["baselines_reason"]
     assert "layout, solved on the same problem" in plan.solver["method"]  # the mispriced search's own plan cost more
     assert plan.estimate["step_s"] <= dp.estimate["step_s"] * (1 + 1e-9)

@@ -195,9 +195,9 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
         if solution is not None:
             reason = _baselines_needed(problem, solution, estimates)
             if reason is None:
-                solution = Solution(solution.choice, solution.objective_s,
-                                    {**solution.stats, "baselines_checked": "not needed: optimal, and the objective prices what "
-                                                                            "the estimate prices"})
+                solution = Solution(solution.choice, solution.objective_s, {
+                    **solution.stats, "baselines_checked": {},
+                    "baselines_reason": "not needed: optimal, and the objective prices what the estimate prices"})
             else:
                 solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s, estimates, reason)
     if solution is None:
@@ -208,7 +208,7 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
 class _Estimates:
     """:func:`.estimate.estimate` of each choice of one problem, computed once per choice.
 
-    The planner prices its plan's choice up to three times (is a resharding shared? is a baseline cheaper? the
+    The planner prices its plan's choice up to three times (does the objective match it? is a baseline cheaper? the
     plan's figures) and a baseline's restricted solve often lands on a choice already priced.
     """
 
@@ -257,8 +257,8 @@ def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solut
     Run when :func:`_baselines_needed` gives a ``reason``: above all when the search is not proven optimal (a rounded
     relaxation within its accepted gap, or branch and bound stopped at the time limit). A baseline is the problem with
     its inputs' layouts fixed; plans are compared by their step time as the runtime runs them
-    (:meth:`_Estimates.step_s`). ``solver['baselines_checked']`` has the baselines' seconds, and
-    ``solver['baselines_reason']`` why they were solved.
+    (:meth:`_Estimates.step_s`). ``solver['baselines_checked']`` has the baselines' seconds (empty when none was
+    needed), and ``solver['baselines_reason']`` why they were solved, or not.
     """
     from .baselines import BASELINES, baseline_choices
 
