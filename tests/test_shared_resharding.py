@@ -93,3 +93,19 @@ def test_a_search_priced_unlike_the_estimate_still_never_costs_more_than_a_basel
     assert "largest share" in plan.solver["baselines_reason"]
     assert "layout, solved on the same problem" in plan.solver["method"]  # the mispriced search's own plan cost more
     assert plan.estimate["step_s"] <= dp.estimate["step_s"] * (1 + 1e-9)
+
+
+def test_objective_equals_the_estimate_on_a_captured_model_with_tied_layers():
+    """GPT-2's layers are tied (a value's copies priced once, times their count) and its mask and position values are
+    read by every layer: on random choices the objective still equals the estimate."""
+    from metadist.api import capture_and_discover
+    from metadist.workloads import load_workload
+
+    graph, rules = capture_and_discover(load_workload("gpt2-tiny"))  # the session's rule cache: other tests discovered it
+    problem = build_problem(graph, rules.rules, cluster_for("cpu-gloo", Mesh((2, 2))), missing=rules.missing)
+    assert problem.stats["classes_after_tying"] < problem.stats["units_after_merging"] and problem.charges
+    draw = random.Random(1)
+    for _ in range(10):
+        choice = {c: draw.randrange(problem.strategy_count(c)) for c in problem.classes}
+        step = estimate(graph, assignment_from(problem, choice), problem.cluster, problem.liveness, problem.bucketing)["step_s"]
+        assert objective_s(problem, choice) == pytest.approx(step, rel=1e-9)
