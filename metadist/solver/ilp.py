@@ -164,9 +164,10 @@ class ShardingILP:
             self.y.append([[self._new_variable(cost, False, weight) for cost in row] for row in edge.comm_s])
 
     def charge_variables(self) -> None:
-        """``z[h]`` in [0, 1] for every shared charge (:meth:`shared_charges` bounds it below by its terms)."""
-        weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
-        self.z = [self._new_variable(charge.seconds, False, weight) for charge in self.problem.charges]
+        """``z[h]`` in [0, 1] for every shared charge (:meth:`shared_charges` bounds it below by its terms); none when
+        minimising memory, which they do not touch."""
+        if not self.minimize_memory:
+            self.z = [self._new_variable(charge.seconds, False, OBJECTIVE_SCALE) for charge in self.problem.charges]
 
     def recompute_variables(self) -> None:
         """``r[i]`` in {0, 1}: layer ``i`` recomputes; ``w[i, c, s]`` in [0, 1]: it does and class ``c`` takes ``s``.
