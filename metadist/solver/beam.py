@@ -2,7 +2,8 @@
 
 Classes are visited in graph order (graph inputs first). Each beam state is a partial
 assignment; extending it by one class adds that class's compute and linear costs and the
-resharding on every edge to an already-assigned class. States whose memory at some peak
+resharding on every edge to an already-assigned class, and every shared resharding whose
+classes are then all assigned. States whose memory at some peak
 cannot fit the budget (even with the cheapest memory for the rest) are dropped. The
 ``width`` cheapest states survive each step; ties break by visiting order, so the search is
 deterministic.
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from .ilp import Solution
-from .problem import Problem
+from .problem import Problem, charge_classes, charge_row
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,25 @@ def beam_search(problem: Problem, memory_budget_bytes: float | None, width: int 
     for edge in problem.edges:
         later, earlier = (edge.consumer, edge.producer) if rank[edge.consumer] > rank[edge.producer] else (edge.producer, edge.consumer)
         incoming[later].append((edge, earlier))
+    settled: dict[int, list] = {c: [] for c in order}  # a shared charge is priced at its last class in visiting order
+    for charge in problem.charges:
+        settled[max(charge_classes(problem, charge), key=rank.__getitem__)].append(charge)
     suffix = _minimum_memory_suffix(problem, order)
     beam = [_State(0.0, tuple(problem.memory_constant_bytes), ())]
     for i, c in enumerate(order):
         candidates = []
         for parent, state in enumerate(beam):
+            shared = [0.0] * problem.strategy_count(c)
+            if settled[c]:
+                partial = dict(zip(order, state.choices))  # the classes visited so far
+                for charge in settled[c]:
+                    for s, seconds in enumerate(charge_row(problem, charge, partial, c)):
+                        shared[s] += seconds
             for s in range(problem.strategy_count(c)):
                 cost = state.cost_s + problem.compute_s[c][s] + problem.linear_comm_s[c][s]
                 for edge, other in incoming[c]:
                     cost += _edge_cost(edge, c, s, state.choices[rank[other]])
+                cost += shared[s]
                 memory = tuple(
                     used + (coefficients[c][s] if c in coefficients else 0.0)
                     for used, coefficients in zip(state.memory_bytes, problem.memory_bytes)

@@ -1,7 +1,7 @@
 """Why a node's strategy won: its cost next to the runner-up's, with everything else fixed.
 
 For each class the solver decided, every alternative strategy is priced with all other
-classes held at the solution: compute, resharding on every incident edge, and the memory at
+classes held at the solution: compute, resharding on every incident edge and shared charge, and the memory at
 each checked peak. A node's runner-up is the cheapest alternative that changes that node's
 own strategy. The data is stored in ``plan.solver["explain"]`` (node name -> record) so a
 plan explains itself without the graph or the rules; :func:`explain` writes it out.
@@ -14,10 +14,10 @@ from typing import Any, Mapping
 
 from ..ir.plan import Plan
 from .errors import SolverError
-from .problem import Problem
+from .problem import Problem, charge_classes, charge_row
 
 
-def _class_costs(problem: Problem, c: int, choice: Mapping[int, int]) -> tuple[list[float], list[float]]:
+def _class_costs(problem: Problem, c: int, choice: Mapping[int, int], charges=()) -> tuple[list[float], list[float]]:
     """(compute seconds, communication seconds) of every strategy of class ``c``, the rest fixed."""
     count = problem.strategy_count(c)
     compute = list(problem.compute_s[c])
@@ -31,6 +31,9 @@ def _class_costs(problem: Problem, c: int, choice: Mapping[int, int]) -> tuple[l
             p = edge.producer_label[choice[edge.producer]]
             for s in range(count):
                 comm[s] += edge.comm_s[p][edge.consumer_label[s]]
+    for charge in charges:  # the shared charges class ``c`` takes part in
+        for s, seconds in enumerate(charge_row(problem, charge, choice, c)):
+            comm[s] += seconds
     return compute, comm
 
 
@@ -55,10 +58,14 @@ def explanation_data(problem: Problem, choice: Mapping[int, int], budget: float 
     for index, c in enumerate(problem.unit_class):
         tied[c] = tied.get(c, 0) + 1
     records: dict[str, dict[str, Any]] = {}
+    charges: dict[int, list] = {}
+    for charge in problem.charges:
+        for c in charge_classes(problem, charge):
+            charges.setdefault(c, []).append(charge)
     for c in problem.classes:
         if problem.strategy_count(c) == 1:
             continue
-        compute, comm = _class_costs(problem, c, choice)
+        compute, comm = _class_costs(problem, c, choice, charges.get(c, ()))
         chosen, unit = choice[c], problem.units[c]
         for member, name in enumerate(unit.members):
             mine = unit.strategies[chosen][member]

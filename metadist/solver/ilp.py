@@ -10,19 +10,26 @@ Variables
     (``y`` is integral at every vertex that matters: its marginals are one-hot, so the only
     feasible ``y`` is their outer product. This is the ``x_u * x_v`` linearization, grouped
     by sharding instead of by strategy, which makes it far smaller.)
+    ``z[h]`` in [0, 1]: shared charge ``h`` is paid (a resharding several readers of one value may
+    need, run once: :class:`~.problem.SharedCharge`); at least each of its terms, so exactly their
+    maximum at an integral point, since its cost is positive.
 
 Objective (microseconds, i.e. seconds times ``OBJECTIVE_SCALE``)
     minimize  sum_{c,s} (compute_s[c][s] + linear_comm_s[c][s]) x[c, s]
-            + sum_{e,p,q} comm_s[e][p][q] y[e, p, q]
+            + sum_{e,p,q} comm_s[e][p][q] y[e, p, q]  +  sum_h seconds[h] z[h]
     ``compute_s``: roofline seconds of the class's nodes; ``linear_comm_s``: resharding
     seconds on edges whose other end has one strategy; ``comm_s``: resharding seconds of the
-    edge, summed over tied copies. Classes with one strategy have no variable; their seconds
-    are a constant added back to the reported objective, which then equals the estimate.
+    edge, summed over tied copies. A resharding is priced once per (value, source, target) however
+    many readers need it (:mod:`.problem`), as the lowering runs it, so the objective of every
+    choice equals its estimate (``Problem.prices_as_estimate``). Classes with one strategy have no
+    variable; their seconds are a constant added back to the reported objective.
 
 Constraints
     one_strategy_per_class:     sum_s x[c, s] = 1                                   for all c
     edge_producer_marginals:    sum_q y[e, p, q] = sum_{s: label_e(s) = p} x[a, s]  for all e, p
     edge_consumer_marginals:    sum_p y[e, p, q] = sum_{t: label_e(t) = q} x[b, t]  for all e, q
+    shared_charges:             z[h] >= term                                        for all h, terms of h
+                                  (a term: y[e, p, q], or sum_{s in S} x[c, s])
     memory_budget:              sum_{c,s} memory_bytes[k][c][s] x[c, s]
                                   <= memory_budget_bytes - memory_constant_bytes[k]  for each peak k
 
@@ -56,7 +63,7 @@ import numpy as np
 
 from .errors import SolverError
 from .local_search import improve, memory_at_peaks, objective_s, round_relaxation
-from .problem import Problem
+from .problem import EDGE_TERM, Problem, charge_s
 from .recompute import RecomputeTerms
 
 logger = logging.getLogger(__name__)
@@ -116,6 +123,8 @@ class ShardingILP:
         self.y: list[list[list[int]]] = []
         self.strategy_variables()
         self.edge_variables()
+        self.z: list[int] = []
+        self.charge_variables()
         self.r: list[int] = []
         self.w: list[dict[int, list[int]]] = []
         self.recompute_variables()
@@ -125,6 +134,7 @@ class ShardingILP:
         self.one_strategy_per_class()
         self.edge_producer_marginals()
         self.edge_consumer_marginals()
+        self.shared_charges()
         self.recompute_links()
         self.memory_budget()
         self.build_s = time.perf_counter() - started
@@ -152,6 +162,12 @@ class ShardingILP:
         weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
         for edge in self.problem.edges:
             self.y.append([[self._new_variable(cost, False, weight) for cost in row] for row in edge.comm_s])
+
+    def charge_variables(self) -> None:
+        """``z[h]`` in [0, 1] for every shared charge (:meth:`shared_charges` bounds it below by its terms); none when
+        minimising memory, which they do not touch."""
+        if not self.minimize_memory:
+            self.z = [self._new_variable(charge.seconds, False, OBJECTIVE_SCALE) for charge in self.problem.charges]
 
     def recompute_variables(self) -> None:
         """``r[i]`` in {0, 1}: layer ``i`` recomputes; ``w[i, c, s]`` in [0, 1]: it does and class ``c`` takes ``s``.
@@ -195,6 +211,17 @@ class ShardingILP:
                 column = [row[q] for row in y]
                 xs = [self.x[edge.consumer][t] for t, label in enumerate(edge.consumer_label) if label == q]
                 self.rows.append((column + xs, [1.0] * len(column) + [-1.0] * len(xs), 0.0, 0.0))
+
+    def shared_charges(self) -> None:
+        """``z[h] >= term`` for each term of charge ``h``: paid once when any reader needs that resharding."""
+        for charge, z in zip(self.problem.charges, self.z):
+            for term in charge.terms:
+                if term[0] == EDGE_TERM:
+                    _, e, p, q = term
+                    self.rows.append(([z, self.y[e][p][q]], [1.0, -1.0], 0.0, highspy.kHighsInf))
+                else:
+                    xs = [self.x[term[1]][s] for s in term[2]]
+                    self.rows.append(([z] + xs, [1.0] + [-1.0] * len(xs), 0.0, highspy.kHighsInf))
 
     def memory_budget(self) -> None:
         if self.budget is None and self.memory_variable is None:
@@ -257,6 +284,8 @@ class ShardingILP:
             values[variables[choice[c]]] = 1.0
         for edge, y in zip(self.problem.edges, self.y):
             values[y[edge.producer_label[choice[edge.producer]]][edge.consumer_label[choice[edge.consumer]]]] = 1.0
+        for charge, z in zip(self.problem.charges, self.z):
+            values[z] = 1.0 if charge_s(self.problem, charge, choice) else 0.0
         return values
 
     def rounded(self, values: np.ndarray, bound_s: float, started: float,

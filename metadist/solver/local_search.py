@@ -3,8 +3,8 @@
 When the LP relaxation of the sharding ILP is not integral, a few classes split their weight
 over several strategies. :func:`round_relaxation` gives each class its heaviest strategy;
 :func:`improve` then visits the classes again and again, moving each to the strategy that is
-cheapest given its neighbours' current strategies (compute, linear resharding, and every edge
-to another class), as long as every memory peak stays within the budget, until no move helps.
+cheapest given its neighbours' current strategies (compute, linear resharding, every edge
+to another class and every shared resharding it takes part in), as long as every memory peak stays within the budget, until no move helps.
 Each move lowers the objective, so the search ends.
 
 The relaxation's optimum is a lower bound on every plan's objective, so the gap of the result
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .problem import ClassEdge, Problem
+from .problem import ClassEdge, Problem, SharedCharge, charge_classes, charge_row, charge_s
 
 
 def round_relaxation(problem: Problem, weights: Mapping[int, Sequence[float]]) -> dict[int, int]:
@@ -30,7 +30,8 @@ def round_relaxation(problem: Problem, weights: Mapping[int, Sequence[float]]) -
 def objective_s(problem: Problem, choice: Mapping[int, int]) -> float:
     """The ILP's objective of ``choice`` in seconds, the single-strategy classes' constant seconds included."""
     total = sum(problem.compute_s[c][choice[c]] + problem.linear_comm_s[c][choice[c]] for c in problem.classes)
-    return total + sum(_edge_s(edge, choice[edge.producer], choice[edge.consumer]) for edge in problem.edges)
+    total += sum(_edge_s(edge, choice[edge.producer], choice[edge.consumer]) for edge in problem.edges)
+    return total + sum(charge_s(problem, charge, choice) for charge in problem.charges)
 
 
 def memory_at_peaks(problem: Problem, choice: Mapping[int, int]) -> list[float]:
@@ -53,6 +54,10 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
     for edge in problem.edges:
         touching[edge.producer].append(edge)
         touching[edge.consumer].append(edge)
+    charges: dict[int, list[SharedCharge]] = {c: [] for c in problem.classes}
+    for charge in problem.charges:
+        for c in charge_classes(problem, charge):
+            charges[c].append(charge)
     peaks = [(k, coefficients) for k, coefficients in enumerate(problem.memory_bytes)]
     used = memory_at_peaks(problem, choice)
     movable = [c for c in problem.classes if problem.strategy_count(c) > 1]
@@ -60,11 +65,12 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
         moved = False
         for c in movable:
             current = choice[c]
-            best, best_s = _class_s(problem, touching[c], choice, c, current), current
+            shared = _charges_row(problem, charges[c], choice, c)
+            best, best_s = _class_s(problem, touching[c], choice, c, current) + shared[current], current
             for s in range(problem.strategy_count(c)):
                 if s == current or (c in allowed and s not in allowed[c]):
                     continue
-                seconds = _class_s(problem, touching[c], choice, c, s)
+                seconds = _class_s(problem, touching[c], choice, c, s) + shared[s]
                 if seconds < best - 1e-12 and _fits(peaks, used, c, current, s, budget_bytes):
                     best, best_s = seconds, s
             if best_s != current:
@@ -80,13 +86,22 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
 
 
 def _class_s(problem: Problem, edges: Sequence[ClassEdge], choice: Mapping[int, int], c: int, s: int) -> float:
-    """The objective terms that depend on class ``c``, with ``c`` taking strategy ``s``."""
+    """The objective terms that depend on class ``c`` but its shared charges (:func:`_charges_row`), with ``c`` taking ``s``."""
     seconds = problem.compute_s[c][s] + problem.linear_comm_s[c][s]
     for edge in edges:
         producer = s if edge.producer == c else choice[edge.producer]
         consumer = s if edge.consumer == c else choice[edge.consumer]
         seconds += _edge_s(edge, producer, consumer)
     return seconds
+
+
+def _charges_row(problem: Problem, charges: Sequence[SharedCharge], choice: Mapping[int, int], c: int) -> list[float]:
+    """The shared charges' seconds for each strategy of class ``c``, the others at ``choice``."""
+    row = [0.0] * problem.strategy_count(c)
+    for charge in charges:
+        for s, seconds in enumerate(charge_row(problem, charge, choice, c)):
+            row[s] += seconds
+    return row
 
 
 def _edge_s(edge: ClassEdge, producer_strategy: int, consumer_strategy: int) -> float:

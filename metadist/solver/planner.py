@@ -20,6 +20,7 @@ from .errors import InfeasibleBudgetError, SolverError
 from .estimate import Assignment, estimate, node_compute_s, node_facts
 from .explain import explanation_data
 from .ilp import ShardingILP, Solution
+from .local_search import objective_s
 from .problem import Problem, Restrictions, build_problem, final_output_sharding, with_peaks
 
 logger = logging.getLogger(__name__)
@@ -191,8 +192,14 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
     else:
         ilp = ShardingILP(problem, budget)
         solution = ilp.solve(time_limit_s)
-        if solution is not None and (solution.stats.get("mip_gap") != 0.0 or _shares_reshardings(solution, estimates)):
-            solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s, estimates)
+        if solution is not None:
+            reason = _baselines_needed(problem, solution, estimates)
+            if reason is None:
+                solution = Solution(solution.choice, solution.objective_s, {
+                    **solution.stats, "baselines_checked": {},
+                    "baselines_reason": "not needed: optimal, and the objective prices what the estimate prices"})
+            else:
+                solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s, estimates, reason)
     if solution is None:
         raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s))
     return solution
@@ -201,7 +208,7 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
 class _Estimates:
     """:func:`.estimate.estimate` of each choice of one problem, computed once per choice.
 
-    The planner prices its plan's choice up to three times (is a resharding shared? is a baseline cheaper? the
+    The planner prices its plan's choice up to three times (does the objective match it? is a baseline cheaper? the
     plan's figures) and a baseline's restricted solve often lands on a choice already priced.
     """
 
@@ -222,20 +229,36 @@ class _Estimates:
         return self.figures(choice)["step_s"]
 
 
-def _shares_reshardings(solution: Solution, estimates: _Estimates) -> bool:
-    """True when the ILP's edge-by-edge objective counts a resharding that several readers share more than once."""
-    return solution.objective_s > estimates.step_s(solution.choice) * (1 + 1e-9)
+def _baselines_needed(problem: Problem, solution: Solution, estimates: _Estimates) -> str | None:
+    """Why the plan must be compared with the baselines' layouts, or None when it provably costs no more than any of them.
+
+    The ILP prices every choice as the estimate does (a resharding once per value, source and target,
+    ``Problem.prices_as_estimate``), and a baseline's layout is a choice of the same problem: an optimal plan is then
+    no dearer than any baseline, by the estimate, with nothing more solved. Otherwise (not proven optimal; a problem
+    whose pricing differs from the estimate's; an objective that disagrees with the plan's estimate, which the
+    pricing rules out, so it is logged as a warning) the baselines are solved.
+    """
+    if solution.stats.get("mip_gap") != 0.0:
+        return "not proven optimal"
+    if not problem.prices_as_estimate:
+        return "a bucketed reader shares a resharding first: the objective prices its largest share, the estimate its first"
+    objective, step = objective_s(problem, solution.choice), estimates.step_s(solution.choice)
+    if abs(objective - step) > 1e-6 * max(abs(step), 1e-12):
+        logger.warning("the ILP's objective of the plan (%.9g s) differs from its estimate (%.9g s): comparing with the "
+                       "baselines' layouts", objective, step)
+        return f"objective {objective:.9g} s differs from the estimate {step:.9g} s"
+    return None
 
 
 def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solution, time_limit_s: float,
-                             estimates: _Estimates) -> Solution:
+                             estimates: _Estimates, reason: str = "") -> Solution:
     """The search's plan, or a baseline's layout (data parallel, ZeRO, Megatron) solved on the same problem where it costs less.
 
-    Run when the search is not proven optimal (a rounded relaxation within its accepted gap, or branch and bound
-    stopped at the time limit), or when its plan has a resharding that several readers share (the ILP prices every
-    edge, so it overprices such plans: its optimum is then not proven optimal for the runtime). A baseline is the
-    problem with its inputs' layouts fixed; plans are compared by their step time as the runtime runs them
-    (:meth:`_Estimates.step_s`). ``solver['baselines_checked']`` has the baselines' seconds.
+    Run when :func:`_baselines_needed` gives a ``reason``: above all when the search is not proven optimal (a rounded
+    relaxation within its accepted gap, or branch and bound stopped at the time limit). A baseline is the problem with
+    its inputs' layouts fixed; plans are compared by their step time as the runtime runs them
+    (:meth:`_Estimates.step_s`). ``solver['baselines_checked']`` has the baselines' seconds (empty when none was
+    needed), and ``solver['baselines_reason']`` why they were solved, or not.
     """
     from .baselines import BASELINES, baseline_choices
 
@@ -248,7 +271,7 @@ def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solut
         if candidate_s is not None and candidate_s < best_s * (1 - 1e-9):
             best, best_s = Solution(candidate.choice, candidate.objective_s,
                                     {**solution.stats, "method": f"{kind} layout, solved on the same problem (the search's plan cost more)"}), candidate_s
-    return Solution(best.choice, best.objective_s, {**best.stats, "baselines_checked": checked})
+    return Solution(best.choice, best.objective_s, {**best.stats, "baselines_checked": checked, "baselines_reason": reason})
 
 
 def smallest_memory_bytes(problem: Problem, time_limit_s: float = 60.0) -> float | None:

@@ -5,11 +5,16 @@ the followers merged into it (:mod:`.shrink`). A **class** is a set of tied unit
 layers) sharing one set of variables; costs of a class are summed over its units.
 
 Costs, all in seconds: ``compute_s[c][s]`` (roofline of the class's nodes under strategy
-``s``, plus the halo exchange a halo factor needs before its node), ``linear_comm_s[c][s]`` (resharding on edges whose other end has a single strategy,
-or joins two tied copies of the same class), and one :class:`ClassEdge` for every other
-producer/consumer pair, whose cost depends on the producer's output sharding ``p`` and the
-consumer's required input sharding ``q`` only: ``comm_s[p][q]``. Memory: at each liveness
-peak, ``memory_bytes[peak][c][s]`` plus a constant.
+``s``, plus the halo exchange a halo factor needs before its node). Reshardings are priced as the
+lowering runs them: a value is resharded to a given sharding once, however many readers need it
+(:class:`_Pricing`). Per value and target sharding, the price from each source sharding lands on
+the indicator that some reader needs it: ``linear_comm_s[c][s]`` where that indicator is one class's
+strategies (the other end has a single strategy or one label, or the two ends are tied copies of one
+class), a :class:`ClassEdge` cell ``comm_s[p][q]`` where it is a producer/reader pair of classes
+(``p`` the producer's output sharding, ``q`` the reader's required one), and a
+:class:`SharedCharge`, paid once when any of its terms holds, where several distinct readers may need
+the same target. Memory: at each liveness peak, ``memory_bytes[peak][c][s]`` plus a constant (values
+at their produced sharding: a resharded copy is transient, as in the estimate).
 
 Edges the runtime buckets (:mod:`metadist.cost.bucketing`: update-phase reads of gradients and
 of graph inputs, and the graph outputs) pay a share of each collective's fixed cost.
@@ -18,6 +23,7 @@ of graph inputs, and the graph outputs) pay a share of each collective's fixed c
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -83,6 +89,11 @@ class Problem:
     stats: Mapping[str, Any] = field(default_factory=dict)
     bucketing: Bucketing = NO_BUCKETING
     """The edges priced as bucketed collectives (:mod:`metadist.cost.bucketing`)."""
+    charges: tuple["SharedCharge", ...] = ()
+    """Reshardings that several readers may share, each paid once (:class:`SharedCharge`)."""
+    prices_as_estimate: bool = True
+    """Whether every choice's objective equals its :func:`~metadist.solver.estimate.estimate` step time (False where a
+    bucketed reader of a value comes before an unbucketed one that may need the same sharding: see :class:`_Pricing`)."""
 
     def strategy_count(self, class_index: int) -> int:
         return len(self.units[class_index].strategies)
@@ -275,19 +286,110 @@ class _Reshard:
         return seconds
 
 
-def _edge_endpoints(graph: Graph, member_unit, bucketing: Bucketing, restricted: frozenset[str]):
-    """(producer (unit, member, output index), consumer (unit, member, slot or -1 for state), spec, fixed-cost share,
-    reduce-dtype restricted) per edge."""
+CLASS_TERM, EDGE_TERM = 0, 1
+"""Kinds of a :class:`SharedCharge` term (ints, so that sets of terms iterate in the same order in every process)."""
+
+
+@dataclass(frozen=True)
+class SharedCharge:
+    """A resharding several readers of one value may need: paid once when any of them needs it, as the lowering runs it.
+
+    The lowering reshards a value to a given sharding once and hands the result to every reader that needs it
+    (:func:`metadist.solver.estimate._edges`), so ``seconds`` is paid when at least one of ``terms`` holds. A term is
+    the indicator that one reader needs this target while the producer gives this source: ``(EDGE_TERM, e, p, q)``, edge
+    ``e``'s variable ``y[e, p, q]``, or ``(CLASS_TERM, c, strategies)``, class ``c`` taking one of ``strategies`` (a reader tied to the producer's class, or
+    one end with a single strategy or label). A target only one distinct reader can need is priced on that reader's
+    edge or strategies instead: charges exist where readers really can share.
+    """
+
+    seconds: float
+    """Summed over the tied copies of the value."""
+    terms: tuple[tuple, ...]
+
+
+def term_active(problem: "Problem", term: tuple, choice: Mapping[int, int], moved: tuple[int, int] | None = None) -> bool:
+    """Whether a :class:`SharedCharge` term holds under ``choice`` (one strategy per class), with ``moved`` = (class,
+    strategy) taking that strategy instead."""
+    def pick(c: int) -> int:
+        return moved[1] if moved is not None and moved[0] == c else choice[c]
+
+    if term[0] == EDGE_TERM:
+        _, e, p, q = term
+        edge = problem.edges[e]
+        return edge.producer_label[pick(edge.producer)] == p and edge.consumer_label[pick(edge.consumer)] == q
+    return pick(term[1]) in term[2]
+
+
+def charge_s(problem: "Problem", charge: SharedCharge, choice: Mapping[int, int], moved: tuple[int, int] | None = None) -> float:
+    """The seconds ``charge`` adds under ``choice`` (``moved``: see :func:`term_active`): its price when any term holds."""
+    return charge.seconds if any(term_active(problem, term, choice, moved) for term in charge.terms) else 0.0
+
+
+def charge_row(problem: "Problem", charge: SharedCharge, choice: Mapping[int, int], c: int) -> list[float]:
+    """The seconds ``charge`` adds for each strategy of class ``c``, every other class at ``choice``."""
+    count = problem.strategy_count(c)
+    active = [False] * count
+    for term in charge.terms:
+        if term[0] == CLASS_TERM:
+            if term[1] != c:
+                if choice[term[1]] in term[2]:
+                    return [charge.seconds] * count
+                continue
+            for s in term[2]:
+                active[s] = True
+            continue
+        _, e, source, q = term
+        edge = problem.edges[e]
+        if edge.producer == c:
+            if edge.consumer_label[choice[edge.consumer]] == q:
+                for s, p in enumerate(edge.producer_label):
+                    active[s] = active[s] or p == source
+        elif edge.consumer == c:
+            if edge.producer_label[choice[edge.producer]] == source:
+                for s, label in enumerate(edge.consumer_label):
+                    active[s] = active[s] or label == q
+        elif term_active(problem, term, choice):
+            return [charge.seconds] * count
+    return [charge.seconds if flag else 0.0 for flag in active]
+
+
+def charge_classes(problem: "Problem", charge: SharedCharge) -> frozenset[int]:
+    """The classes whose strategies decide ``charge``."""
+    found = set()
+    for term in charge.terms:
+        if term[0] == EDGE_TERM:
+            edge = problem.edges[term[1]]
+            found.update((edge.producer, edge.consumer))
+        else:
+            found.add(term[1])
+    return frozenset(found)
+
+
+FINAL = -2
+"""Reader slot of a graph output that replaces no state: it needs its value's sharding with the Partial axes reduced."""
+
+
+def _value_readers(graph: Graph, member_unit, bucketing: Bucketing, restricted: frozenset[str]):
+    """Per value that is read: (producer (unit, member, output index), spec, reduce-dtype restricted, readers).
+
+    Readers are (unit, member, slot, fixed-cost share) in the order the lowering meets them (nodes in graph order,
+    then the graph outputs); slot -1 is a state output (it needs its replaced input's sharding), :data:`FINAL` a
+    graph output that replaces nothing (its producer's sharding with the Partial axes reduced).
+    """
+    readers: dict[str, list[tuple]] = {}
     for node in graph.nodes:
         consumer = member_unit[node.name]
         for slot, name in enumerate(node.input_names):
-            yield (_producer_of(graph, name, member_unit), (*consumer, slot), graph.value(name).spec,
-                   bucketing.share(name, node.name), name in restricted)
+            readers.setdefault(name, []).append((*consumer, slot, bucketing.share(name, node.name)))
     for graph_output in graph.outputs:
+        name, share = graph_output.name, bucketing.share(graph_output.name, OUTPUT_CONSUMER)
         if graph_output.replaces is not None:
-            consumer = member_unit[graph_output.replaces]
-            yield (_producer_of(graph, graph_output.name, member_unit), (*consumer, -1), graph.value(graph_output.name).spec,
-                   bucketing.share(graph_output.name, OUTPUT_CONSUMER), graph_output.name in restricted)
+            readers.setdefault(name, []).append((*member_unit[graph_output.replaces], -1, share))
+        else:
+            unit, member, _ = _producer_of(graph, name, member_unit)
+            readers.setdefault(name, []).append((unit, member, FINAL, share))
+    for name, found in readers.items():
+        yield _producer_of(graph, name, member_unit), graph.value(name).spec, name in restricted, found
 
 
 def _producer_of(graph: Graph, value_name: str, member_unit) -> tuple[int, int, int]:
@@ -302,70 +404,191 @@ def _consumer_sharding(unit: Unit, strategy: int, member: int, slot: int) -> tup
     return row.outputs[0] if slot == -1 else row.inputs[slot]
 
 
-def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, restricted: frozenset[str]):
-    """Linear edge costs per class strategy, and the ClassEdges that need edge variables."""
-    linear = {c: [0.0] * len(units[c].strategies) for c in set(unit_class)}
-    counts: dict[tuple, int] = {}
-    inside: dict[tuple, int] = {}  # edges inside one unit (a follower that reshards its input), by class
-    for (pu, pm, pk), (cu, cm, slot), spec, share, limited in _edge_endpoints(graph, member_unit, bucketing, restricted):
-        if pu == cu:
-            key = (unit_class[pu], pm, pk, cm, slot, spec, share, limited)
-            inside[key] = inside.get(key, 0) + 1
-            continue
-        key = (unit_class[pu], pm, pk, unit_class[cu], cm, slot, spec, share, limited)
-        counts[key] = counts.get(key, 0) + 1
-    for (c, pm, pk, cm, slot, spec, share, limited), count in inside.items():
-        unit = units[c]
-        for s in range(len(unit.strategies)):
-            linear[c][s] += count * price(spec, _output_sharding(unit, s, pm, pk), _consumer_sharding(unit, s, cm, slot), share,
-                                          limited)
-    merged: dict[tuple, list[list[float]]] = {}
-    priced: dict[tuple, list[list[float]]] = {}  # (spec, shardings, share, limited) -> seconds: many edges carry the same tensor kind
-    for (a, pm, pk, b, cm, slot, spec, share, limited), count in counts.items():
-        p_all = [_output_sharding(units[a], s, pm, pk) for s in range(len(units[a].strategies))]
-        q_all = [_consumer_sharding(units[b], t, cm, slot) for t in range(len(units[b].strategies))]
-        p_index, q_index = {p: i for i, p in enumerate(dict.fromkeys(p_all))}, {q: i for i, q in enumerate(dict.fromkeys(q_all))}
-        p_list, q_list = tuple(p_index), tuple(q_index)
-        key = (spec, p_list, q_list, share, limited)
-        seconds = priced.get(key)
-        if seconds is None:
-            seconds = priced[key] = [[price(spec, p, q, share, limited) for q in q_list] for p in p_list]
-        matrix = [[count * x for x in row] for row in seconds]
+@dataclass
+class _Reader:
+    """One distinct way a value is read: the reader's class and the sharding it needs per strategy of that class."""
+
+    cls: int
+    label: tuple[int, ...]
+    """Index into ``index`` of the needed sharding, per strategy of ``cls``."""
+    index: dict
+    """Needed sharding -> its label."""
+    share: float
+    """The largest fixed-cost share of the readers it stands for."""
+    strategies: dict = field(default_factory=dict)
+    """Strategies of ``cls`` per needed label, or per (source label, needed label) when ``cls`` is the producer's class."""
+
+
+class _Pricing:
+    """Reshardings priced as the lowering runs them: once per (value, source, target), whoever reads it.
+
+    Per value, the distinct readers (:class:`_Reader`); per target sharding some of them may need, the price from
+    each source sharding is paid when at least one reader needs it. A target only one distinct reader can need goes on
+    that reader's term directly (a class's strategies, or an edge variable's cell); several make a
+    :class:`SharedCharge`. Readers with different fixed-cost shares (bucketed and not) pay the largest share among those
+    that need the target, in tiers; the lowering pays its first reader's share, the same unless a bucketed reader comes
+    first (``exact`` turns False, and the planner checks the baselines).
+
+    One charge per source: grouping the sources of equal price into one charge is exact at integral points too, but
+    its relaxation is weaker (the readers' fractional needs add up within a group); on LLaMA-70B 128x8 it turned an
+    integral relaxation fractional.
+    """
+
+    def __init__(self, units, price, linear) -> None:
+        self.units, self.price, self.linear = units, price, linear
+        self.pairs: dict[tuple, list[list[float]]] = {}
+        self.charges: dict[frozenset, float] = {}
+        self.prices: dict[tuple, dict] = {}
+        self.exact = True
+
+    def value(self, a: int, pm: int, pk: int, spec, limited: bool, readers: tuple, count: int) -> None:
+        """Price one value (``count`` tied copies): producer class ``a``, readers (class, member, slot, share)."""
+        units, unit = self.units, self.units[a]
+        p_all = [_output_sharding(unit, s, pm, pk) for s in range(len(unit.strategies))]
+        p_index = {p: i for i, p in enumerate(dict.fromkeys(p_all))}
         p_label = tuple(p_index[p] for p in p_all)
-        q_label = tuple(q_index[q] for q in q_all)
-        if a == b:
-            for s in range(len(p_all)):
-                linear[a][s] += matrix[p_label[s]][q_label[s]]
-        elif len(q_list) == 1:
-            for s in range(len(p_all)):
-                linear[a][s] += matrix[p_label[s]][0]
-        elif len(p_list) == 1:
-            for t in range(len(q_all)):
-                linear[b][t] += matrix[0][q_label[t]]
-        elif any(any(row) for row in matrix):
-            slot_key = (a, b, p_label, q_label)
-            if slot_key in merged:
-                old = merged[slot_key]
-                matrix = [[x + y for x, y in zip(r1, r2)] for r1, r2 in zip(old, matrix)]
-            merged[slot_key] = matrix
-    edges = tuple(
-        ClassEdge(a, b, p_label, q_label, tuple(tuple(row) for row in matrix)) for (a, b, p_label, q_label), matrix in merged.items()
+        p_strategies = _strategies_by(p_label)
+        distinct: dict[tuple, _Reader] = {}
+        order: list[tuple[_Reader, float]] = []  # per reader in graph order: its distinct reader and its share
+        for b, cm, slot, share in readers:
+            if slot == FINAL:
+                q_all = [final_output_sharding(p) for p in p_all]
+            else:
+                q_all = [_consumer_sharding(units[b], t, cm, slot) for t in range(len(units[b].strategies))]
+            q_index = {q: i for i, q in enumerate(dict.fromkeys(q_all))}
+            label = tuple(q_index[q] for q in q_all)
+            key = (b, label, tuple(q_index))
+            reader = distinct.get(key)
+            if reader is None:
+                reader = distinct[key] = _Reader(b, label, q_index, share)
+                reader.strategies = _strategies_by(tuple(zip(p_label, label)) if b == a else label)
+            reader.share = max(reader.share, share)
+            order.append((reader, share))
+        p_list, every_source = tuple(p_index), tuple(range(len(p_index)))
+        for target in dict.fromkeys(q for reader in distinct.values() for q in reader.index):
+            needing = [r for r in distinct.values() if target in r.index]
+            if all(r.cls == a for r in needing):  # tied to the producer: only the sources its strategies pair with target
+                wanted = sorted({pi for r in needing for pi, qi in r.strategies if qi == r.index[target]})
+            else:
+                wanted = every_source
+            if len(needing) > 1:
+                raw = [share for reader, share in order if target in reader.index]
+                if any(x < y for x, y in zip(raw, raw[1:])):
+                    self.exact = False  # a bucketed reader first: the lowering pays its share, the tiers the largest
+            shares = tuple(sorted({r.share for r in needing}, reverse=True))
+            if len(needing) == 1:  # one reader: each source's price on its term, no sharing to find
+                reader = needing[0]
+                qi = reader.index[target]
+                for _, seconds, pi in self._prices(spec, p_list, limited, target, shares, wanted):
+                    term = self._term(a, p_label, p_strategies, pi, reader, qi)
+                    if term is not None:
+                        self._pay(count * seconds, term)
+                continue
+            for share, seconds, pi in self._prices(spec, p_list, limited, target, shares, wanted):
+                terms = set()
+                for reader in needing:
+                    if reader.share >= share:
+                        term = self._term(a, p_label, p_strategies, pi, reader, reader.index[target])
+                        if term is not None:
+                            terms.add(term)
+                if terms:
+                    self._charge(count * seconds, terms, a, p_strategies[pi])
+
+    def _prices(self, spec, p_list: tuple, limited: bool, target, shares: tuple, wanted) -> list[tuple[float, float, int]]:
+        """(share tier, seconds, source label) of each resharding of ``spec`` from a source in ``wanted`` to ``target`` that
+        costs something, per tier of readers with at least that share (kept per producer layout and target: tied
+        layers repeat them)."""
+        sources = self.prices.setdefault((spec, p_list, limited), {}).setdefault((target, shares), {})
+        found = []
+        for pi in wanted:
+            tiers = sources.get(pi)
+            if tiers is None:
+                costs = [self.price(spec, p_list[pi], target, share, limited) for share in shares]
+                if math.isinf(costs[-1]):
+                    tiers = [(shares[-1], math.inf)]
+                else:
+                    tiers = [(share, cost - (costs[k + 1] if k + 1 < len(costs) else 0.0))
+                             for k, (share, cost) in enumerate(zip(shares, costs))]
+                tiers = sources[pi] = [(share, seconds, pi) for share, seconds in tiers if seconds != 0.0]
+            found += tiers
+        return found
+
+    @staticmethod
+    def _term(a, p_label, p_strategies, pi, reader: _Reader, qi):
+        """The indicator that the producer gives label ``pi`` and ``reader`` needs label ``qi`` (None: never)."""
+        if reader.cls == a:
+            chosen = reader.strategies.get((pi, qi))
+            return None if chosen is None else (CLASS_TERM, a, chosen)
+        if len(reader.index) == 1:
+            return (CLASS_TERM, a, p_strategies[pi])
+        if len(p_strategies) == 1:
+            return (CLASS_TERM, reader.cls, reader.strategies[qi])
+        return (EDGE_TERM, (a, reader.cls, p_label, reader.label), pi, qi)
+
+    def _charge(self, seconds: float, terms: set, a: int, own: tuple) -> None:
+        """Pay ``seconds`` when any of ``terms`` holds: on the one term, or as a shared charge (``own``: the producer's
+        strategies giving this source, which every term implies)."""
+        if len(terms) > 1:
+            xs = [t for t in terms if t[0] == CLASS_TERM]
+            always = min((t for t in xs if len(t[2]) == len(self.units[t[1]].strategies)), default=None)
+            if always is not None:
+                terms = {always}  # a term every strategy of its class makes true: the resharding always runs
+            elif any(t[1] == a and set(own) <= set(t[2]) for t in xs):
+                terms = {(CLASS_TERM, a, own)}  # the producer's own label implies every other term
+            elif len(xs) > 1:  # a class's term inside another term of that class says nothing more
+                terms = {t for t in terms if not (t[0] == CLASS_TERM and any(o[1] == t[1] and set(t[2]) < set(o[2]) for o in xs))}
+        if len(terms) == 1:
+            self._pay(seconds, next(iter(terms)))
+            return
+        for term in sorted(terms):  # edges in a reproducible order: the terms hold ints only, so does their hash
+            if term[0] == EDGE_TERM:
+                self._pair(term[1])
+        key = frozenset(terms)
+        self.charges[key] = self.charges.get(key, 0.0) + seconds
+
+    def _pay(self, seconds: float, term: tuple) -> None:
+        """Pay ``seconds`` whenever ``term`` holds: on its class's strategies, or on its edge variable."""
+        if term[0] == CLASS_TERM:
+            row = self.linear[term[1]]
+            for s in term[2]:
+                row[s] += seconds
+        else:
+            self._pair(term[1])[term[2]][term[3]] += seconds
+
+    def _pair(self, key) -> list[list[float]]:
+        matrix = self.pairs.get(key)
+        if matrix is None:
+            matrix = self.pairs[key] = [[0.0] * (max(key[3]) + 1) for _ in range(max(key[2]) + 1)]
+        return matrix
+
+
+def _strategies_by(labels: tuple) -> dict:
+    """Label -> the strategies (indices) that have it."""
+    found: dict = {}
+    for s, label in enumerate(labels):
+        found.setdefault(label, []).append(s)
+    return {label: tuple(strategies) for label, strategies in found.items()}
+
+
+def _edges(graph, units, member_unit, unit_class, price, bucketing: Bucketing, restricted: frozenset[str]):
+    """Linear resharding seconds per class strategy, the ClassEdges that need edge variables, the shared charges,
+    and whether this pricing equals the estimate's for every choice (:class:`_Pricing`)."""
+    pricing = _Pricing(units, price, {c: [0.0] * len(units[c].strategies) for c in set(unit_class)})
+    signatures: dict[tuple, int] = {}  # tied layers repeat a value's producer and readers: priced once, times the count
+    for (pu, pm, pk), spec, limited, readers in _value_readers(graph, member_unit, bucketing, restricted):
+        key = (unit_class[pu], pm, pk, spec, limited, tuple((unit_class[cu], cm, slot, share) for cu, cm, slot, share in readers))
+        signatures[key] = signatures.get(key, 0) + 1
+    for (a, pm, pk, spec, limited, readers), count in signatures.items():
+        pricing.value(a, pm, pk, spec, limited, readers, count)
+    position, edges = {}, []
+    for key, matrix in pricing.pairs.items():
+        position[key] = len(edges)
+        edges.append(ClassEdge(*key, tuple(tuple(row) for row in matrix)))
+    charges = tuple(
+        SharedCharge(seconds, tuple(sorted(t if t[0] == CLASS_TERM else (EDGE_TERM, position[t[1]], t[2], t[3]) for t in terms)))
+        for terms, seconds in pricing.charges.items()
     )
-    return linear, edges
-
-
-def _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing: Bucketing, restricted) -> None:
-    """Outputs that do not replace state end replicated where they come out Partial: charge it."""
-    for graph_output in graph.outputs:
-        if graph_output.replaces is not None:
-            continue
-        unit_index, member, k = _producer_of(graph, graph_output.name, member_unit)
-        spec = graph.value(graph_output.name).spec
-        share = bucketing.share(graph_output.name, OUTPUT_CONSUMER)
-        for s in range(len(units[unit_index].strategies)):
-            src = _output_sharding(units[unit_index], s, member, k)
-            linear[unit_class[unit_index]][s] += price(spec, src, final_output_sharding(src), share,
-                                                       graph_output.name in restricted)
+    return pricing.linear, tuple(edges), charges, pricing.exact
 
 
 def final_output_sharding(sharding: tuple) -> tuple:
@@ -437,8 +660,7 @@ def build_problem(
         row = compute_s[unit_class[index]]
         for s, value in enumerate(seconds):
             row[s] += value
-    linear, edges = _edges(graph, units, member_unit, unit_class, price, bucketing, restricted)
-    _output_linear(graph, units, member_unit, unit_class, price, linear, bucketing, restricted)
+    linear, edges, charges, exact = _edges(graph, units, member_unit, unit_class, price, bucketing, restricted)
     lives = liveness(graph)
     memory, constants = _memory(graph, units, member_unit, unit_class, lives, cluster.mesh, lives.peaks)
     missing_rules = dict(missing or {})
@@ -452,6 +674,7 @@ def build_problem(
         "classes_after_tying": len(classes),
         "classes_with_choices": sum(1 for c in classes if len(units[c].strategies) > 1),
         "class_edges": len(edges),
+        "shared_charges": len(charges),
         "bucketed_edges": len(bucketing.edges),
         "bucketed_fixed_share": round(bucketing.fixed_share, 6),
         "problem_build_s": round(time.perf_counter() - started, 4),
@@ -465,5 +688,5 @@ def build_problem(
         excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
         stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values()),
                **_uneven_stats(sets.values())},
-        bucketing=bucketing,
+        bucketing=bucketing, charges=charges, prices_as_estimate=exact,
     )
