@@ -64,8 +64,8 @@ class _Pending:
 class Collectives(torch.nn.Module):
     """The collectives of one rank, one process group per mesh axis, counting what they move.
 
-    ``direct`` (the default) calls ``torch.distributed`` itself (``all_reduce``, ``all_gather_into_tensor``,
-    ``reduce_scatter_tensor``, ``all_to_all_single``, each ``async_op=True``, waited for by :meth:`wait_tensor`);
+    ``direct`` (the default) calls ``torch.distributed`` itself (``all_reduce``, ``all_gather_single``,
+    ``reduce_scatter_single``, ``all_to_all_single``, each ``async_op=True``, waited for by :meth:`wait_tensor`);
     False calls the functional collectives (``torch.distributed._functional_collectives``), which
     ``torch.compile`` traces. The values are the same; on gloo between CPU processes a functional
     collective costs about 0.3 ms more per call (dispatch through its op registry and work map).
@@ -123,9 +123,9 @@ class Collectives(torch.nn.Module):
         if kind == "all_reduce":
             work = dist.all_reduce(out, _REDUCE_OPS[op], group=group, async_op=True)
         elif kind == "all_gather":
-            work = dist.all_gather_into_tensor(out, tensor, group=group, async_op=True)
+            work = dist.all_gather_single(out, tensor, group=group, async_op=True)
         elif kind == "reduce_scatter":
-            work = dist.reduce_scatter_tensor(out, tensor, _REDUCE_OPS[op], group=group, async_op=True)
+            work = dist.reduce_scatter_single(out, tensor, _REDUCE_OPS[op], group=group, async_op=True)
         else:
             work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
         return _Pending(work, out)
