@@ -72,7 +72,9 @@ def test_tight_memory_plan_shards_parameters_and_state_and_passes_check(tmp_path
     cluster = resolve_cluster("cpu-gloo", Mesh((2,)))
     with pytest.raises(InfeasibleBudgetError) as info:
         plan_graph(graph, rules, cluster, memory_budget_bytes=1e3)
-    tight_bytes = 1.02 * info.value.minimum_bytes
+    # 20% above the smallest footprint, below what the ample plan needs (the MIP within 2% of the minimum takes
+    # HiGHS 25-40 s on this step: a solver-speed question, not what this test checks)
+    tight_bytes = 1.2 * info.value.minimum_bytes
     assert tight_bytes < ample.estimate["memory_bytes_peak"]
     tight = plan_graph(graph, rules, cluster, memory_budget_bytes=int(tight_bytes))
     graph_inputs = {}
