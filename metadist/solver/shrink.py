@@ -150,6 +150,7 @@ def follower_choice(
     follower_inputs: Sequence[tuple | None],
     follower_compute_s: Sequence[float],
     reshard_s: Callable[[tuple, tuple], float],
+    keep_as_produced: bool = False,
 ) -> list[int] | None:
     """For each leader strategy's output sharding, the follower strategy that serves it cheapest.
 
@@ -158,6 +159,11 @@ def follower_choice(
     for free (as produced, or sliced locally from a replicated axis) it picks the cheapest such
     strategy; otherwise it pays for the resharding that minimizes resharding plus compute.
     None when the follower has no usable strategy.
+
+    ``keep_as_produced``: where the follower can take the value exactly as produced, it does (for a
+    value an op makes: slicing it here would fix, before the ILP runs, a sharding that every later
+    reader needing it whole pays a gather for, as GPT-2's position ids did). A graph input (the
+    global batch every rank holds) is still sliced for free where that is cheapest.
     """
     cheapest: dict[tuple, int] = {}  # the cheapest follower strategy per input sharding
     for t, sharding in enumerate(follower_inputs):
@@ -168,7 +174,8 @@ def follower_choice(
     choice, memo = [], {}
     for sharding in leader_outputs:
         if sharding not in memo:
-            memo[sharding] = _serve(sharding, cheapest, follower_compute_s, reshard_s)
+            memo[sharding] = (cheapest[sharding] if keep_as_produced and sharding in cheapest
+                              else _serve(sharding, cheapest, follower_compute_s, reshard_s))
         choice.append(memo[sharding])
     return choice
 
