@@ -85,6 +85,17 @@ def _one_node_per_op(step) -> None:
     step._forward = step.module
 
 
+def markdown(data: dict) -> list[str]:
+    """The overhead table of ``docs/benchmarks.md`` from the JSON ``--out`` wrote."""
+    from .report import markdown_table
+
+    header = ("model", "eager ms", "interpreted graph", "compiled, one node per op", "compiled (batched)")
+    rows = [[row["model"], f"{row['eager_ms']:.2f}"] + [f"{row[key]:.2f} ({row[key] / row['eager_ms']:.2f}x)"
+                                                        for key in ("graph_ms", "unbatched_ms", "compiled_ms")]
+            for row in data["rows"]]
+    return [markdown_table(header, rows), "", f"Load average (1 min, 2 cores) at the end: {data['load_average_1min']:.1f}."]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m metadist.bench.overhead_bench")
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
@@ -122,13 +133,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def markdown(data: dict) -> list[str]:
-    """The overhead table of ``docs/benchmarks.md`` from the JSON ``--out`` wrote."""
-    from .report import markdown_table
-
-    header = ("model", "eager ms", "interpreted graph", "compiled, one node per op", "compiled (batched)")
-    rows = [[row["model"], f"{row['eager_ms']:.2f}"] + [f"{row[key]:.2f} ({row[key] / row['eager_ms']:.2f}x)"
-                                                        for key in ("graph_ms", "unbatched_ms", "compiled_ms")]
-            for row in data["rows"]]
-    return [markdown_table(header, rows), "", f"Load average (1 min, 2 cores) at the end: {data['load_average_1min']:.1f}."]

@@ -36,6 +36,7 @@ can add to the program's peak memory.
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -151,10 +152,7 @@ def _numel(node: torch.fx.Node) -> int | None:
     shapes = node.meta.get("metadist_local_shapes")
     if not shapes or len(shapes) != 1 or shapes[0] is None:
         return None
-    count = 1
-    for size in shapes[0]:
-        count *= size
-    return count
+    return math.prod(shapes[0])
 
 
 def _is_barrier(node: torch.fx.Node) -> bool:
@@ -185,6 +183,7 @@ def batch_elementwise(graph: torch.fx.Graph, *, max_numel: int = MAX_NUMEL,
         height[node] = 1 + max((height[user] for user in successors), default=-1)
 
     buckets: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
+    forms: dict[tuple, _Form] = {}
     for node in nodes:
         found = _form_of(node)
         numel = _numel(node)
@@ -197,22 +196,23 @@ def batch_elementwise(graph: torch.fx.Graph, *, max_numel: int = MAX_NUMEL,
             continue
         if any(isinstance(value, torch.fx.Node) for value in node.kwargs.values()):
             continue
-        key = (height[node], key_part, _hashable(shared), _hashable(tuple(sorted(node.kwargs.items()))))
+        key = (height[node], key_part, _hashable(shared), _hashable(dict(node.kwargs)))
         buckets[key].append(node)
+        forms[key] = form
 
-    groups: list[list[torch.fx.Node]] = []
-    for members in buckets.values():
+    groups: list[tuple[_Form, list[torch.fx.Node]]] = []
+    for key, members in buckets.items():
         chunk: list[torch.fx.Node] = []
         total = 0
         for member in members:
             numel = _numel(member) or 0
             if chunk and total + numel > max_group_numel:
-                groups.append(chunk)
+                groups.append((forms[key], chunk))
                 chunk, total = [], 0
             chunk.append(member)
             total += numel
-        groups.append(chunk)
-    groups = [group for group in groups if len(group) > 1]
+        groups.append((forms[key], chunk))
+    groups = [(form, group) for form, group in groups if len(group) > 1]
     ops_before = _count_ops(nodes)
     if not groups:
         return graph, BatchStats(ops_before, ops_before, 0, 0)
@@ -228,17 +228,17 @@ def _hashable(value: Any) -> Any:
 
 
 def _rebuild(graph: torch.fx.Graph, nodes: list[torch.fx.Node], index: dict, barriers: list,
-             groups: list[list[torch.fx.Node]], ops_before: int) -> tuple[torch.fx.Graph, BatchStats]:
+             groups: list[tuple[_Form, list[torch.fx.Node]]], ops_before: int) -> tuple[torch.fx.Graph, BatchStats]:
     """Emit the nodes in a topological order with each group as one unit (keys: original positions)."""
-    group_of = {member: number for number, group in enumerate(groups) for member in group}
+    group_of = {member: number for number, (_, group) in enumerate(groups) for member in group}
     # units: a node of its own, or a group (identified by ('group', number))
     def unit(node: torch.fx.Node) -> Any:
         number = group_of.get(node)
         return node if number is None else ("group", number)
 
     units: list[Any] = [node for node in nodes if node not in group_of] + [("group", number) for number in range(len(groups))]
-    key = {u: (index[u] if isinstance(u, torch.fx.Node) else min(index[m] for m in groups[u[1]])) for u in units}
-    members_of = {u: ([u] if isinstance(u, torch.fx.Node) else groups[u[1]]) for u in units}
+    members_of = {u: ([u] if isinstance(u, torch.fx.Node) else groups[u[1]][1]) for u in units}
+    key = {u: min(index[m] for m in members_of[u]) for u in units}
     successors: dict[Any, set] = {u: set() for u in units}
     waiting = {u: 0 for u in units}
     for u in units:
@@ -275,11 +275,8 @@ def _rebuild(graph: torch.fx.Graph, nodes: list[torch.fx.Node], index: dict, bar
         if isinstance(u, torch.fx.Node):
             env[u] = new_graph.node_copy(u, lambda node: env[node])
             continue
-        group = groups[u[1]]
+        form, group = groups[u[1]]
         batched += len(group)
-        found = _form_of(group[0])
-        assert found is not None
-        form = found[1]
         first = group[0]
         lists = [[env[member.args[position]] for member in group] for position in form.tensor_args if position < len(first.args)]
         rest = tuple(arg for position, arg in enumerate(first.args) if position not in form.tensor_args)
