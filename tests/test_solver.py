@@ -137,11 +137,20 @@ def test_repeated_layers_are_tied_and_solved_once():
 
 
 def test_a_batch_the_mesh_does_not_divide_is_split_unevenly():
-    # 6 rows over 4 devices: torch.chunk pieces of 2, 2, 2, 0 (excluded before uneven shards were planned)
-    graph, rules = mlp_step(6, 64, 256, layers=1)
-    plan = plan_graph(graph, rules, cluster_for("h100x8", Mesh((4,))))
+    # 6 rows over 4 devices: torch.chunk pieces of 2, 2, 2, 0 (excluded before uneven shards were planned). Rows of
+    # 16 Mi elements, no weights, and rules that split only the rows: splitting quarters the work (a third, on the
+    # largest piece) and costs one scalar all-reduce.
+    from metadist.ir import Graph, GraphOutput
+    from test_solver_helpers import _Builder
+
+    b = _Builder("float32")
+    x = b.input("batch.x", (6, 1 << 24), "batch")
+    relu = b.op("relu", [x], (6, 1 << 24), rule="a_->a_")
+    loss = b.op("sum", [relu], (), rule="a_-> | a:sum | pass 0:sum")
+    graph = Graph(tuple(b.inputs), tuple(b.nodes), (GraphOutput(loss, "loss", source="loss"),), name="rows")
+    plan = plan_graph(graph, b.rules, cluster_for("h100x8", Mesh((4,))))
     assert plan.solver["excluded_indivisible_strategies"] == 0 and plan.solver["uneven_strategies"] > 0
-    assert plan.node_strategies["mm_0"].inputs[0] == (S0,)
+    assert plan.node_strategies["relu_0"].inputs[0] == (S0,)
 
 
 def test_a_node_without_a_rule_is_replicated_and_listed_with_its_cost():

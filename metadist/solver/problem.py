@@ -31,7 +31,7 @@ from typing import Any, Mapping
 from ..cost import (
     NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, Cluster, Liveness, bucketing_for, compute_seconds, halo_exchange_seconds, liveness, local_nbytes, node_work, reshard,
 )
-from ..ir import Graph, Partial, Replicate, Rule
+from ..ir import Graph, Node, Partial, Replicate, Rule, ValueRef
 from ..ir.plan import NodeStrategy
 from ..cost.bucketing import CAST_OPS
 from .precision import FORBIDDEN_S, reduces_partial, restricted_values
@@ -247,18 +247,46 @@ def _dedupe_rows(names, unit_rows, sets, compute, facts: _SetFacts):
 
 
 def _tie_units(graph: Graph, units: list[Unit]) -> list[int]:
-    """Class of each unit: the first unit whose members are tied one to one and whose strategies agree."""
+    """Class of each unit: the first unit whose strategies agree and whose members are tied one to one.
+
+    A unit's leader (its first member) is tied by :func:`.shrink.tie_inputs` / :func:`.shrink.tie_nodes`. Its
+    followers are compared by what they do inside the unit (:func:`_follower_key`): the backward's transpose of a
+    layer's activation follows that layer's forward op, but runs in the next layer's backward run, so the run-by-run
+    tying does not see it tied. Tying is a constraint (every tied unit keeps its own compute and edge prices), so
+    it only has to tie what the ILP would solve alike.
+    """
     representative = {**tie_inputs(graph), **tie_nodes(graph)}
     classes: dict[tuple, list[int]] = {}
     unit_class = []
     for index, unit in enumerate(units):
-        candidates = classes.setdefault(tuple(representative[name] for name in unit.members), [])
+        local = {name: position for position, name in enumerate(unit.members)}
+        key = (representative[unit.members[0]],) + tuple(_follower_key(graph, graph.node(name), local)
+                                                          for name in unit.members[1:])
+        candidates = classes.setdefault(key, [])
         match = next((c for c in candidates if units[c].strategies == unit.strategies), None)
         if match is None:
             candidates.append(index)
             match = index
         unit_class.append(match)
     return unit_class
+
+
+def _follower_key(graph: Graph, node: Node, local: Mapping[str, int]) -> tuple:
+    """What a follower does inside its unit: its op, its arguments (the value it reads as the member that makes it
+    and the output index), and its outputs' specs."""
+
+    def arg_key(arg):
+        if isinstance(arg, ValueRef):
+            producer = graph.producer(arg.name)
+            if producer is None:
+                return ("member", local[arg.name], 0)
+            return ("member", local[producer.name], [v.name if v else None for v in producer.outputs].index(arg.name))
+        if isinstance(arg, tuple):
+            return tuple(arg_key(item) for item in arg)
+        return arg
+
+    return (node.op.target, tuple(arg_key(arg) for arg in node.args),
+            tuple((key, arg_key(arg)) for key, arg in node.kwargs), tuple(v.spec if v else None for v in node.outputs))
 
 
 class _Reshard:
