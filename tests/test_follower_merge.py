@@ -10,18 +10,25 @@ R, S0 = (Replicate(),), (Shard(0),)
 
 def test_a_follower_of_a_replicated_value_stays_replicated_even_when_slicing_is_cheaper():
     # follower strategies: 0 takes R (full compute), 1 takes S(0) (half the compute, free to slice from R)
-    choice = follower_choice([R, S0], [R, S0], [2e-6, 1e-6], lambda p, q: 1.0, keep_as_produced=True)
+    choice = follower_choice([R, S0], [R, S0], [2e-6, 1e-6], lambda p, q: 1.0)
     assert choice == [0, 1], "R stays R (a later reader needing it whole would pay a gather); S(0) stays S(0)"
 
 
 def test_a_follower_that_cannot_take_the_value_as_produced_still_slices_for_free():
-    choice = follower_choice([R], [S0], [1e-6], lambda p, q: 1.0, keep_as_produced=True)
+    choice = follower_choice([R], [S0], [1e-6], lambda p, q: 1.0)
     assert choice == [0]
 
 
-def test_a_follower_of_a_graph_input_may_slice_it_for_free():
-    """Every rank holds the global batch: slicing it where its reader needs a piece costs nothing."""
-    assert follower_choice([R, S0], [R, S0], [2e-6, 1e-6], lambda p, q: 1.0) == [1, 1]
+def test_a_follower_of_a_graph_input_keeps_it_as_held():
+    """Whether to slice the batch every rank holds is the input's own choice (its strategies), which the ILP makes."""
+    assert follower_choice([R, S0], [R, S0], [2e-6, 1e-6], lambda p, q: 1.0) == [0, 1]
+
+
+def test_a_follower_pays_the_cheapest_resharding_when_nothing_is_free():
+    # produced S(0); strategies take R (needs a gather, priced 5) or S(1) (an all-to-all, priced 1)
+    S1 = (Shard(1),)
+    prices = {(S0, R): 5.0, (S0, S1): 1.0}
+    assert follower_choice([S0], [R, S1], [1e-6, 1e-6], lambda p, q: prices[(p, q)]) == [1]
 
 
 def test_gpt2_position_ids_stay_replicated_and_the_plan_moves_nothing_but_its_update():

@@ -201,12 +201,11 @@ def _try_follow(graph, node, sets, compute, where, members, rows, price, facts: 
     leader_set = sets[members[unit][member]]
     column = tuple(row[member] for row in rows[unit])
     spec, limited = graph.value(value).spec, value in restricted
-    made_by_op = producer is not None
-    key = (id(leader_set), column, output_index, id(sets[node.name]), spec, limited, made_by_op)
+    key = (id(leader_set), column, output_index, id(sets[node.name]), spec, limited)
     if key not in facts.follow:
         leader_outputs = [leader_set.strategies[i].outputs[output_index] for i in column]
         facts.follow[key] = follower_choice(leader_outputs, facts.single(sets[node.name]), compute[node.name],
-                                            lambda p, q: price(spec, p, q, restricted=limited), keep_as_produced=made_by_op)
+                                            lambda p, q: price(spec, p, q, restricted=limited))
     choice = facts.follow[key]
     if choice is None:
         return False

@@ -1,8 +1,8 @@
 """Shrinking the problem before solving: follower merging and tying repeated layers.
 
 **Followers.** A node that reads exactly one value joins the decision unit of that value's
-producer: for each of the producer's strategies it takes the strategy that serves it
-cheapest (its own compute plus any resharding of its input, usually none). Elementwise
+producer: for each of the producer's strategies it takes the value as produced where it can,
+else the strategy that serves it cheapest (free slicing, or its compute plus a resharding). Elementwise
 chains and views collapse into the op that feeds them, views of parameters into the
 parameter's sharding choice. This is the one greedy step of the solver.
 
@@ -150,20 +150,19 @@ def follower_choice(
     follower_inputs: Sequence[tuple | None],
     follower_compute_s: Sequence[float],
     reshard_s: Callable[[tuple, tuple], float],
-    keep_as_produced: bool = False,
 ) -> list[int] | None:
-    """For each leader strategy's output sharding, the follower strategy that serves it cheapest.
+    """For each leader strategy's output sharding, the follower strategy that serves it.
 
     ``follower_inputs[t]`` is the sharding follower strategy ``t`` needs on the value (None if
     it needs different shardings in different slots). Where the follower can take the value
-    for free (as produced, or sliced locally from a replicated axis) it picks the cheapest such
-    strategy; otherwise it pays for the resharding that minimizes resharding plus compute.
-    None when the follower has no usable strategy.
+    exactly as produced, it does. Otherwise, where it can take it for free (sliced locally from a
+    replicated axis) it picks the cheapest such strategy; otherwise it pays for the resharding that
+    minimizes resharding plus compute. None when the follower has no usable strategy.
 
-    ``keep_as_produced``: where the follower can take the value exactly as produced, it does (for a
-    value an op makes: slicing it here would fix, before the ILP runs, a sharding that every later
-    reader needing it whole pays a gather for, as GPT-2's position ids did). A graph input (the
-    global batch every rank holds) is still sliced for free where that is cheapest.
+    Taking the value as produced keeps the choice with the ILP: slicing a replicated value here
+    would fix, before the ILP runs, a sharding that every later reader needing the value whole
+    pays a gather for (GPT-2's position ids and attention mask chains did). The leader's own
+    strategies already offer the sliced layout where it is worth having (a batch input's rows).
     """
     cheapest: dict[tuple, int] = {}  # the cheapest follower strategy per input sharding
     for t, sharding in enumerate(follower_inputs):
@@ -174,17 +173,14 @@ def follower_choice(
     choice, memo = [], {}
     for sharding in leader_outputs:
         if sharding not in memo:
-            memo[sharding] = (cheapest[sharding] if keep_as_produced and sharding in cheapest
-                              else _serve(sharding, cheapest, follower_compute_s, reshard_s))
+            memo[sharding] = cheapest[sharding] if sharding in cheapest else _serve(sharding, cheapest, follower_compute_s, reshard_s)
         choice.append(memo[sharding])
     return choice
 
 
 def _serve(produced: tuple, cheapest: Mapping[tuple, int], compute_s: Sequence[float], reshard_s) -> int:
-    if any(isinstance(p, Replicate) for p in produced):
-        free = [t for needed, t in cheapest.items() if all(a == b or isinstance(a, Replicate) for a, b in zip(produced, needed))]
-    else:
-        free = [cheapest[produced]] if produced in cheapest else []
+    """The follower strategy for a sharding no strategy takes as produced: free slicing, else the cheapest resharding."""
+    free = [t for needed, t in cheapest.items() if all(a == b or isinstance(a, Replicate) for a, b in zip(produced, needed))]
     if free:
         return min(free, key=lambda t: (compute_s[t], t))
     return min(cheapest.items(), key=lambda item: (reshard_s(produced, item[0]) + compute_s[item[1]], item[1]))[1]
