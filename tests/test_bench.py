@@ -152,6 +152,25 @@ def test_the_overhead_section_renders_each_column_against_eager(tmp_path):
     assert "| gpt2-tiny | 5.00 | 10.00 (2.00x) | 7.50 (1.50x) | 6.00 (1.20x) |" in page
 
 
+def test_the_planning_notes_written_by_hand_survive_regenerating_the_page(tmp_path):
+    from metadist.bench.report import PLANNING_NOTES, write_report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "fixture.json").write_text(_fixture_run().to_json())
+    bench = tmp_path / "docs" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "scale_study.json").write_text("{}")
+    row = {"mesh": "8x8", "graph_nodes": 10, "problem_build_s": 1.0, "build_s": 0.1, "solve_s": 0.2, "plan_total_s": 2.0,
+           "plan_total_cpu_s": 1.5}
+    (bench / "solver_bench_x.json").write_text(json.dumps({"models": {"llama-7b": [row]}}))
+    (bench / PLANNING_NOTES).write_text("Before and after, side by side: 9.1 s against 19.5 s.\n")
+    page = write_report(results, tmp_path / "docs" / "benchmarks.md", bench / "scale_study.json").read_text()
+    section = page[page.index("## Planning time at scale"):]
+    assert "| llama-7b | 8x8 | 10 |" in section
+    assert section.index("| llama-7b | 8x8 | 10 |") < section.index("Before and after, side by side: 9.1 s against 19.5 s.")
+
+
 def test_never_lose_states_each_ratio_and_why_it_loses():
     from dataclasses import replace
 

@@ -279,8 +279,14 @@ def pipeline_section(study: dict) -> list[str]:
     return lines + ["", markdown(rows), ""]
 
 
-def planning_section(studies: Sequence[dict]) -> list[str]:
-    """Planning time at scale (``metadist.bench.solver_bench --json``): each phase's wall and CPU seconds."""
+PLANNING_NOTES = "planning_notes.md"
+"""Measurements taken by hand for the planning section (before/after comparisons on one tree and another), kept in
+``docs/bench/`` beside the result files: the page includes the file as written, so regenerating keeps them."""
+
+
+def planning_section(studies: Sequence[dict], notes: str = "") -> list[str]:
+    """Planning time at scale (``metadist.bench.solver_bench --json``): each phase's wall and CPU seconds, then
+    ``notes`` (the text of :data:`PLANNING_NOTES`)."""
     lines = ["## Planning time at scale (`metadist.bench.solver_bench`)", "",
              "Capture (a deep model on 4 of its layers, expanded to all), discovery (the rule database warm), and per "
              "mesh the problem build, ILP build, solve and whole `plan_graph` seconds, on this machine. Wall seconds "
@@ -305,12 +311,12 @@ def planning_section(studies: Sequence[dict]) -> list[str]:
                              f"{row['plan_total_s']:.2f} ({row['plan_total_cpu_s']:.2f})",
                              "-" if gap is None else f"{gap:.3g}", str(row.get("method")),
                              f"{row['load_average_1min']:.1f}" if "load_average_1min" in row else "-"])
-    return lines + [markdown_table(header, rows), ""]
+    return lines + [markdown_table(header, rows), ""] + ([notes.strip(), ""] if notes.strip() else [])
 
 
 def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], commands: Sequence[str],
          pipeline: dict | None = None, recompute: dict | None = None, pipeline_run: dict | None = None,
-         planning: Sequence[dict] = (), overhead: dict | None = None) -> str:
+         planning: Sequence[dict] = (), overhead: dict | None = None, planning_notes: str = "") -> str:
     first = runs[0]
     machine, versions = first.machine, first.versions
     parts = [
@@ -408,7 +414,7 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
         if missing:
             parts += [f"Not in this study (the run did not reach them): {', '.join(missing)}.", ""]
     if planning:
-        parts += planning_section(planning)
+        parts += planning_section(planning, planning_notes)
     if pipeline:
         parts += pipeline_section(pipeline)
     if recompute:
@@ -711,7 +717,9 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
         if scale_path is not None else []
     overhead_path = scale_path.parent / "overhead.json" if scale_path is not None else None
     overhead = json.loads(overhead_path.read_text()) if overhead_path is not None and overhead_path.is_file() else None
-    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute, pipeline_run, planning, overhead))
+    notes_path = scale_path.parent / PLANNING_NOTES if scale_path is not None else None
+    notes = notes_path.read_text() if notes_path is not None and notes_path.is_file() else ""
+    write_atomically(out, page(runs, scale, images, commands, pipeline, recompute, pipeline_run, planning, overhead, notes))
     return out
 
 
