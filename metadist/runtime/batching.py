@@ -45,6 +45,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from .random_ops import draw_random
+
 __all__ = ["BatchStats", "batch_elementwise", "merge_duplicates", "MAX_NUMEL", "MAX_GROUP_NUMEL"]
 
 MAX_NUMEL = 1 << 14
@@ -161,7 +163,7 @@ def _is_barrier(node: torch.fx.Node) -> bool:
         return node.target != "contiguous"
     if node.op != "call_function":
         return False
-    if getattr(node.target, "__name__", "") == "draw_random":
+    if node.target is draw_random:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in node.target.tags or node.target._schema.is_mutable

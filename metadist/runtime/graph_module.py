@@ -32,6 +32,7 @@ from .collectives import (
     unpack_all_to_all, unpack_reduce_scatter, unpad_to, zero_partial,
 )
 from .batching import batch_elementwise, merge_duplicates
+from .random_ops import draw_random
 from .errors import LocalOpError
 
 log = logging.getLogger(__name__)
@@ -265,25 +266,6 @@ def _slices(global_shape: Sequence[int], sharding: tuple, program: RankProgram) 
         for axis, placement in enumerate(sharding)
         if isinstance(placement, Shard)
     )
-
-
-def draw_random(target: str, shape_input: tuple | None, slices: tuple, n_outputs: int, *args: Any, **kwargs: Any) -> Any:
-    """Run a random op on global shapes, then keep this rank's slice of each output.
-
-    Every rank draws the whole tensor from the same generator state, so each
-    shard holds exactly the values a single device would have drawn there.
-    """
-    if shape_input is not None:
-        like = args[0]
-        args = (torch.empty(shape_input, dtype=like.dtype, device=like.device), *args[1:])
-    result = resolve_op(target)(*args, **kwargs)
-    results = (result,) if n_outputs == 1 else tuple(result)
-    local = []
-    for tensor, output_slices in zip(results, slices):
-        for dim, coordinate, parts in output_slices or ():
-            tensor = local_slice(tensor, dim, coordinate, parts)
-        local.append(tensor)
-    return local[0] if n_outputs == 1 else tuple(local)
 
 
 def attention_or_zeros(target: str, *args: Any, **kwargs: Any) -> Any:
