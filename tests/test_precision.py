@@ -191,7 +191,8 @@ def test_the_solver_reduces_gradients_in_the_policy_reduce_dtype():
     from metadist.solver import baseline_plan
 
     model = Tiny()
-    batch = {"x": torch.randn(4096, 8), "weight": torch.tensor(1.0)}
+    # enough rows that gathering the batch to compute it whole costs more than reducing the gradients
+    batch = {"x": torch.randn(65536, 8), "weight": torch.tensor(1.0)}
     graph = capture_step(plain_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, precision="bf16").graph
     rules = rules_from_database(graph, TorchExecutor())
     cluster = resolve_cluster("a100x8", Mesh((2,)))
