@@ -14,7 +14,10 @@ import contextlib
 import gc
 from typing import Iterator
 
-__all__ = ["gc_paused"]
+__all__ = ["PAUSE", "gc_paused"]
+
+PAUSE = True
+"""False: :func:`gc_paused` leaves the collector as it is (``metadist.bench.plan_gc --collector-on`` compares so)."""
 
 
 @contextlib.contextmanager
@@ -24,7 +27,7 @@ def gc_paused() -> Iterator[None]:
     Nests: an inner pause leaves the collector off, the outermost turns it back on. A collector the
     caller turned off stays off.
     """
-    if not gc.isenabled():
+    if not PAUSE or not gc.isenabled():
         yield
         return
     gc.disable()
