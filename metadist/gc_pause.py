@@ -22,7 +22,8 @@ PAUSE = True
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Automatic garbage collection off for the block (or the decorated call), as it was after it.
+    """Automatic garbage collection off for the block (or the decorated call), as it was after it (process-wide:
+    other threads run without it meanwhile too).
 
     Nests: an inner pause leaves the collector off, the outermost turns it back on. A collector the
     caller turned off stays off.
