@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from metadist.cost import cluster_for, comm
 from metadist.ir import Mesh, Partial, Replicate, Shard, TensorSpec
 from metadist.lowering.errors import LoweringError
-from metadist.lowering.reshard import COLLECTIVE_KINDS, _build, plan_resharding
+from metadist.lowering.reshard import COLLECTIVE_KINDS, _build, origin_collectives, plan_resharding
 from metadist.solver import plan_graph
 from metadist.solver.estimate import estimate, node_compute_s, total_compute_s
 from metadist.solver.planner import _Estimates, assignment_from
@@ -41,6 +42,19 @@ def test_kept_resharding_steps_equal_fresh_ones_uneven_pieces_included():
     assert comm._STEPS[((12, 6), 4, (Shard(0), R), (R, R), MESH)][0][2] > 0
     assert comm.resharding_collectives(TensorSpec((24, 6), "float32"), (Shard(0), R), (R, R), MESH)[0][2] == 2 * \
         comm.resharding_collectives(a, (Shard(0), R), (R, R), MESH)[0][2]
+
+
+def test_the_collectives_at_the_origin_are_the_planned_steps_on_a_mesh_with_an_axis_of_one():
+    mesh = Mesh((2, 1, 3))  # the axis of size 1 holds the whole value whatever its placement
+    for spec in (TensorSpec((12, 6), "float32"), TensorSpec((7, 5), "bfloat16"), TensorSpec((9,), "float32")):  # 1-D: Shard(1) is rejected
+        for src, dst in itertools.product(itertools.product(PLACEMENTS, repeat=3), repeat=2):
+            try:
+                expected = _fresh(spec, src, dst, mesh)
+            except LoweringError as err:
+                with pytest.raises(LoweringError, match=re.escape(str(err))):
+                    origin_collectives(spec.shape, spec.itemsize, src, dst, mesh)
+                continue
+            assert origin_collectives(spec.shape, spec.itemsize, src, dst, mesh) == expected
 
 
 def test_a_rejected_resharding_raises_each_time_and_is_not_kept():

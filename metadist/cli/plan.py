@@ -13,6 +13,7 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
+from ..gc_pause import gc_paused
 from .common import human_bytes, write_atomically
 from .main import UsageError
 
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+@gc_paused()  # a short process building large object graphs: the collector would traverse them again and again
 def run(args: argparse.Namespace) -> int:
     from ..cost import resolve_cluster
     from ..ir import Mesh

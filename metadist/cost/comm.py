@@ -142,10 +142,9 @@ def resharding_collectives(spec: TensorSpec, src: tuple, dst: tuple, mesh) -> tu
     key = (spec.shape, spec.itemsize, tuple(src), tuple(dst), mesh)
     steps = _STEPS.get(key)
     if steps is None:
-        from ..lowering.reshard import COLLECTIVE_KINDS, plan_resharding
+        from ..lowering.reshard import origin_collectives
 
-        planned = plan_resharding(spec.shape, spec.itemsize, src, dst, mesh, (0,) * mesh.ndim, what=f"a {spec} value")
-        steps = tuple((step.kind, step.axis, step.comm_bytes) for step in planned if step.kind in COLLECTIVE_KINDS)
+        steps = origin_collectives(spec.shape, spec.itemsize, src, dst, mesh, what=f"a {spec} value")
         if len(_STEPS) >= _STEPS_KEPT:
             _STEPS.clear()
         _STEPS[key] = steps

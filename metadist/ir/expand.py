@@ -136,7 +136,7 @@ class _Sweep:
         return self.runs[0].label == 0
 
     def run(self, label: int) -> _Run:
-        return next(run for run in self.runs if run.label == label)
+        return self.runs[label if self.ascending else LAST - label]
 
 
 class _Layers:

@@ -45,7 +45,7 @@ from ..ir import Mesh, Partial, Replicate, Shard, format_sharding
 from .errors import LoweringError
 from .shapes import chunk_bounds, local_shape
 
-__all__ = ["ReshardStep", "plan_resharding", "comm_bytes", "COLLECTIVE_KINDS", "PAD_KINDS"]
+__all__ = ["ReshardStep", "plan_resharding", "origin_collectives", "comm_bytes", "COLLECTIVE_KINDS", "PAD_KINDS"]
 
 #: Step kinds that communicate; ``local_slice``, ``zero_partial``, ``pad`` and ``unpad`` do not.
 COLLECTIVE_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -238,9 +238,24 @@ def plan_resharding(
                  for step, bound in zip(steps, bounds))
 
 
+def origin_collectives(global_shape: Sequence[int], itemsize: int, source: Sequence, target: Sequence, mesh: Mesh, *,
+                       what: str = "a value") -> tuple[tuple[str, int, int], ...]:
+    """(kind, axis, bytes sent) of each collective step of :func:`plan_resharding` on the rank at coordinate 0.
+
+    The same steps as ``plan_resharding(..., coords=(0,) * mesh.ndim)`` reads them, without the per-step bounds it adds
+    (at the origin they are the steps' own shapes): the cost model prices tens of thousands of reshardings so.
+    """
+    source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
+    if source == target:
+        return ()
+    steps = _build(global_shape, itemsize, source, target, mesh, (0,) * mesh.ndim, what)
+    return tuple((step.kind, step.axis, step.comm_bytes) for step in steps if step.kind in COLLECTIVE_KINDS)
+
+
 def _build(global_shape, itemsize, source: tuple, target: tuple, mesh: Mesh, coords, what: str) -> list[ReshardStep]:
     build = _Builder(global_shape, itemsize, source, mesh, coords, what)
-    build.local(target)  # reject a target that names a dim the value lacks before any step
+    build.local(source)  # reject a source or target that names a dim the value lacks before any step
+    build.local(target)
     _unshard(build, source, target)
     _reduce_and_shard(build, target)
     if tuple(build.current) != target:  # pragma: no cover - the phases cover every placement pair

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from ..cost import DEFAULT_BUCKET_CAP_BYTES, Cluster, bucketing_for
+from ..gc_pause import gc_paused
 from ..ir import Graph, Rule
 from ..ir.plan import Plan, graph_fingerprint
 from .beam import beam_search
@@ -37,6 +38,7 @@ def split_rules(rules: Any) -> tuple[Mapping[str, Rule], Mapping[str, str]]:
     return rules, {}
 
 
+@gc_paused()
 def plan_graph(
     graph: Graph,
     rules: Any,

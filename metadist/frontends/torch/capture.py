@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
+from ...gc_pause import gc_paused
 from ...ir import Graph, PrecisionPolicy, Role
 from ...ir.expand import canonical_names
 from .errors import CaptureError
@@ -194,6 +195,7 @@ def capture(train_step: Callable, model: torch.nn.Module, optimizer: Any, batch:
     return capture_step(train_step, model, optimizer, batch, **options).graph
 
 
+@gc_paused()
 def capture_step(
     train_step: Callable,
     model: torch.nn.Module,

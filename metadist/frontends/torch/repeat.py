@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ...gc_pause import gc_paused
 from ...ir import Graph
 from ...ir.expand import CAPTURED_LAYERS, ExpansionError, expand_layers
 from .capture import capture_step
@@ -158,6 +159,7 @@ def _capture_cut(train_step: Callable, model, optimizer, batch, layers: Repeated
         return capture_step(train_step, model, cut_optimizer, batch, **options).graph
 
 
+@gc_paused()
 def capture_repeated(train_step: Callable, model: torch.nn.Module, optimizer: Any, batch: Any, *, name: str = "step",
                      keep_grads: bool = False, min_layers: int = MIN_LAYERS_TO_EXPAND,
                      expert_capacity_factor: float | None = None, precision: Any = None, raw_grads: bool = False) -> Graph:
