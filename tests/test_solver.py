@@ -242,3 +242,21 @@ def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch)
     assert "layout, solved on the same problem" in plan.solver["method"]
     assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
     assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-4)
+
+
+def test_when_the_relaxation_runs_out_of_time_branch_and_bound_starts_from_the_replicated_plan(monkeypatch, caplog):
+    """A relaxation that does not finish (LLaMA-tiny under the bf16 policy with every layer recomputed, on 2x2) left
+    branch and bound without a start, and it found no plan at all. Here both solves get no time: branch and bound
+    keeps the replicated start, and the stats say the time limit stopped the solver."""
+    from metadist.solver import ilp
+
+    graph, rules = mlp_step(2048, 512, 2048, layers=2)
+    run = ilp.ShardingILP._run
+    monkeypatch.setattr(ilp.ShardingILP, "_run", lambda self, time_limit_s, relax, start=None: run(self, 1e-9, relax, start))
+    with caplog.at_level("WARNING", logger="metadist.solver.ilp"):
+        plan = plan_graph(graph, rules, H100X8)
+    assert "branch and bound starts from the replicated plan" in caplog.text
+    assert plan.solver["status"] == "Time limit reached"
+    # not proven optimal, so the planner also priced the baselines' layouts and kept the cheapest (here Megatron's)
+    assert plan.solver["baselines_reason"] == "not proven optimal"
+    assert plan.estimate["step_s"] <= baseline_plan(graph, rules, H100X8, "dp").estimate["step_s"]

@@ -367,6 +367,13 @@ class ShardingILP:
                 logger.info("ILP: %s", rounded.stats)
                 return rounded
             start = None if rounded is None else rounded.choice
+        if lp_status != highspy.HighsModelStatus.kOptimal and start is None:
+            # the relaxation did not finish in time: branch and bound starts from every class's first strategy (the
+            # replicated one: strategy sets start with it), so that it ends with that plan at worst instead of none;
+            # its status and gap say how far it got
+            start = {c: 0 for c in self.problem.classes}
+            logger.warning("ILP: the LP relaxation stopped (%s) after %.1f s; branch and bound starts from the "
+                           "replicated plan", highs.modelStatusToString(lp_status), time.perf_counter() - started)
         if lp_status != highspy.HighsModelStatus.kOptimal or not self._integral(values):
             remaining = max(1.0, time_limit_s - (time.perf_counter() - started))
             highs, method = self._run(remaining, relax=False, start=start), "branch and bound"
