@@ -134,15 +134,21 @@ def test_the_planning_section_shows_each_phase_with_its_cpu_seconds_and_the_load
            "| LP relaxation | 7.4 |" in "\n".join(lines)
 
 
-def test_the_overhead_section_renders_each_column_against_eager(tmp_path):
-    from metadist.bench.report import write_report
-
+def _report_folders(tmp_path):
+    """A results folder holding the fixture run, and a docs/bench folder with an empty scale study."""
     results = tmp_path / "results"
     results.mkdir()
     (results / "fixture.json").write_text(_fixture_run().to_json())
     bench = tmp_path / "docs" / "bench"
     bench.mkdir(parents=True)
     (bench / "scale_study.json").write_text("{}")
+    return results, bench
+
+
+def test_the_overhead_section_renders_each_column_against_eager(tmp_path):
+    from metadist.bench.report import write_report
+
+    results, bench = _report_folders(tmp_path)
     (bench / "overhead.json").write_text(json.dumps({
         "command": "python -m metadist.bench.overhead_bench gpt2-tiny --steps 30 --out docs/bench/overhead.json",
         "load_average_1min": 0.3, "rows": [{"model": "gpt2-tiny", "eager_ms": 5.0, "graph_ms": 10.0,
@@ -155,12 +161,7 @@ def test_the_overhead_section_renders_each_column_against_eager(tmp_path):
 def test_the_planning_notes_written_by_hand_survive_regenerating_the_page(tmp_path):
     from metadist.bench.report import PLANNING_NOTES, write_report
 
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "fixture.json").write_text(_fixture_run().to_json())
-    bench = tmp_path / "docs" / "bench"
-    bench.mkdir(parents=True)
-    (bench / "scale_study.json").write_text("{}")
+    results, bench = _report_folders(tmp_path)
     row = {"mesh": "8x8", "graph_nodes": 10, "problem_build_s": 1.0, "build_s": 0.1, "solve_s": 0.2, "plan_total_s": 2.0,
            "plan_total_cpu_s": 1.5}
     (bench / "solver_bench_x.json").write_text(json.dumps({"models": {"llama-7b": [row]}}))
