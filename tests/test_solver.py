@@ -260,3 +260,29 @@ def test_when_the_relaxation_runs_out_of_time_branch_and_bound_starts_from_the_r
     # not proven optimal, so the planner also priced the baselines' layouts and kept the cheapest (here Megatron's)
     assert plan.solver["baselines_reason"] == "not proven optimal"
     assert plan.estimate["step_s"] <= baseline_plan(graph, rules, H100X8, "dp").estimate["step_s"]
+
+
+@pytest.mark.parametrize("budget_mib, binds", [(45, True), (1e6, False)])
+def test_the_relaxation_takes_the_memory_rows_only_when_its_optimum_breaks_the_budget(budget_mib, binds):
+    """Left out, the budget's dense rows cost the simplex nothing when the unconstrained optimum meets them; when it
+    breaks one they join and the relaxation solves on: either way its optimum is the one with every row from the start."""
+    from metadist.solver.ilp import ShardingILP, quiet_highs
+    from metadist.solver.local_search import memory_at_peaks
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
+    problem = build_problem(graph, rules, H100X8)
+    ilp = ShardingILP(problem, budget_mib * MIB)
+    assert ilp.memory_rows
+    lazy = ilp._run(60.0, relax=True)
+    eager = quiet_highs()
+    model = ilp._model(with_memory_rows=True)
+    model.integrality_ = []
+    eager.passModel(model)
+    eager.run()
+    assert lazy.getNumRow() == len(ilp.rows) + (len(ilp.memory_rows) if binds else 0)
+    assert lazy.getInfo().objective_function_value == pytest.approx(eager.getInfo().objective_function_value, rel=1e-9)
+    solution = ShardingILP(problem, budget_mib * MIB).solve(60.0)
+    assert max(memory_at_peaks(problem, solution.choice)) <= budget_mib * MIB
+    unconstrained = ShardingILP(problem, None).solve(60.0)
+    assert (solution.objective_s > unconstrained.objective_s * (1 + 1e-9)) == binds
