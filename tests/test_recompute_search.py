@@ -128,6 +128,32 @@ def test_the_recompute_ilp_prices_what_the_rewritten_graph_holds(blocks):
     assert figures["memory_bytes_peak"] == pytest.approx(solution.objective_s, rel=1e-6)
 
 
+def test_a_recomputed_forward_takes_its_original_strategies(blocks):
+    """A clone's unit is tied to its original's (one class: the same strategy), as the recompute ILP prices it. Left
+    free, LLaMA-tiny bf16 with every layer recomputed on 2x2 gave HiGHS an LP of 553 classes that took 33 s; tied:
+    507 classes, 6 s, the same optimum."""
+    from metadist.solver.planner import recomputed_rules
+
+    _, graph, rules = blocks
+    rewritten = apply_recompute(graph, [0, 1])
+    clone_rules, without = recomputed_rules(rewritten, rules.rules)
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    problem = build_problem(rewritten, clone_rules, cluster)
+    assert not without
+
+    mirrored = []  # clone units made of the clones of an original unit's members (a dropout mask is kept, not
+    for unit, members in enumerate(problem.units):  # recomputed, so its block's clones form a smaller unit)
+        original = tuple(name.removesuffix(CLONE_SUFFIX) for name in members.members)
+        if members.members[0].endswith(CLONE_SUFFIX) and problem.units[problem.member_unit[original[0]][0]].members == original:
+            mirrored.append((unit, problem.member_unit[original[0]][0]))
+    assert mirrored
+    assert all(problem.unit_class[unit] == problem.unit_class[original] for unit, original in mirrored)
+    plan = plan_graph(rewritten, clone_rules, cluster, memory_budget_bytes=float("inf"))
+    for unit, _ in mirrored:
+        for name in problem.units[unit].members:
+            assert plan.node_strategies[name] == plan.node_strategies[name.removesuffix(CLONE_SUFFIX)]
+
+
 def test_zero3_with_full_recomputation_baseline(blocks):
     _, graph, rules = blocks
     cluster = cluster_for("cpu-gloo", Mesh((2,)))

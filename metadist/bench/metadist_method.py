@@ -139,8 +139,9 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     rules, layers = planned.rules, ()
     if method in RECOMPUTE_METHODS:
         planned, rules, layers = _recomputing(planned)
-    plan = api["plan_graph"](planned.torch_step.graph, rules, planned.cluster, memory_budget_bytes=float("inf"),
-                             solver=METADIST_METHODS[method], reduce_dtype=planned.torch_step.precision.reduce_dtype)
+    plan = _plan_on_rank_zero(lambda: api["plan_graph"](
+        planned.torch_step.graph, rules, planned.cluster, memory_budget_bytes=float("inf"), solver=METADIST_METHODS[method],
+        reduce_dtype=planned.torch_step.precision.reduce_dtype), ctx)
     plan = replace(plan, recompute=layers)
     solve_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -166,6 +167,21 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     predicted = {**_estimate_summary(plan.estimate), "nodes": len(planned.torch_step.graph.nodes),
                  "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
     return prepared, compile_s, predicted
+
+
+def _plan_on_rank_zero(solve: Any, ctx: RankContext) -> Any:
+    """Rank 0's plan on every rank, as ``metadist run`` plans: one solve, not one per rank.
+
+    Four ranks solving at once on two cores took four times a solve's CPU (LLaMA-tiny bf16 with every layer
+    recomputed, 2x2: its 33 s relaxation ran past the 60 s limit), and a solve stopped by its time limit could leave
+    the ranks on different plans.
+    """
+    from ..ir.plan import Plan
+    from ..runtime.plan_source import broadcast_text
+
+    if ctx.world_size == 1:
+        return solve()
+    return Plan.from_json(broadcast_text(solve().to_json() if ctx.rank == 0 else ""))
 
 
 def _recomputing(planned: Planned) -> tuple[Planned, Any, tuple[int, ...]]:

@@ -151,7 +151,7 @@ def pipeline_plan(torch_step: Any, mesh: Mesh, microbatches: int, *, cluster: st
     import torch.distributed as dist
 
     from ..progress import phase
-    from .plan_source import _broadcast_text
+    from .plan_source import broadcast_text
 
     text, failure = "", None
     if dist.get_rank() == 0:
@@ -172,7 +172,7 @@ def pipeline_plan(torch_step: Any, mesh: Mesh, microbatches: int, *, cluster: st
             failure = error
             text = _FAILED + f"{type(error).__name__}: {error}"
     with phase("pipeline planning", quiet=True):  # rank 0's failure is every rank's, in this phase
-        text = _broadcast_text(text)
+        text = broadcast_text(text)
         if failure is not None:
             raise failure
         if text.startswith(_FAILED):

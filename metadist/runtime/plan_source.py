@@ -80,7 +80,7 @@ def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_b
     text = (_solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned).to_json()
             if dist.get_rank() == 0 else "")
     with phase("waiting for rank 0's plan", quiet=True):
-        return Plan.from_json(_broadcast_text(text))
+        return Plan.from_json(broadcast_text(text))
 
 
 def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,
@@ -118,7 +118,7 @@ def _announce(text: str) -> None:
     print(f"metadist: {text}", file=sys.stderr, flush=True)
 
 
-def _broadcast_text(text: str) -> str:
+def broadcast_text(text: str) -> str:
     """Rank 0's ``text`` on every rank, sent as bytes in a tensor (no pickle)."""
     import torch
     import torch.distributed as dist

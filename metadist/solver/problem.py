@@ -36,6 +36,7 @@ from ..ir.plan import NodeStrategy
 from ..cost.bucketing import CAST_OPS
 from .precision import FORBIDDEN_S, reduces_partial, restricted_values
 from .shrink import follower_choice, tie_inputs, tie_nodes
+from .recompute import CLONE_SUFFIX
 from .strategies import StrategySet, input_strategies, node_strategies
 
 logger = logging.getLogger(__name__)
@@ -251,10 +252,16 @@ def _tie_units(graph: Graph, units: list[Unit]) -> list[int]:
     A unit's leader (its first member) is tied by :func:`.shrink.tie_inputs` / :func:`.shrink.tie_nodes`. Its
     followers are compared by what they do inside the unit (:func:`_follower_key`): the backward's transpose of a
     layer's activation follows that layer's forward op, but runs in the next layer's backward run, so the run-by-run
-    tying does not see it tied. Tying is a constraint (every tied unit keeps its own compute and edge prices), so
-    it only has to tie what the ILP would solve alike.
+    tying does not see it tied. A recomputed forward's clone (:mod:`.recompute`) ties to its original, as the
+    recompute ILP prices it (clones take their originals' strategies): left free they made LLaMA-tiny bf16 with every
+    layer recomputed, on 2x2, an LP of 553 classes HiGHS took 33 s over; tied, 507 classes, 6 s, the same optimum.
+    Tying is a constraint (every tied unit keeps its own compute and edge prices), so it only has to tie what the
+    ILP would solve alike.
     """
     representative = {**tie_inputs(graph), **tie_nodes(graph)}
+    for name in representative:
+        if name.endswith(CLONE_SUFFIX) and name[: -len(CLONE_SUFFIX)] in representative:
+            representative[name] = representative[name[: -len(CLONE_SUFFIX)]]
     classes: dict[tuple, list[int]] = {}
     unit_class = []
     for index, unit in enumerate(units):
