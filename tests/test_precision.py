@@ -207,6 +207,34 @@ def test_the_solver_reduces_gradients_in_the_policy_reduce_dtype():
     assert "bfloat16" in reduced["bfloat16"]
 
 
+def test_followers_of_a_restricted_gradient_follow_and_the_plan_still_reduces_in_the_reduce_dtype():
+    """A node reading one gradient the policy restricts (bf16, reduced only in float32) cannot reduce it either, so it
+    follows its producer (llama-tiny bf16 2x2: 576 -> 531 classes, LP 16 -> 9 s, the same plan); the solver's plan
+    still reduces every gradient in float32."""
+    from metadist.frontends.torch.discovery import TorchExecutor
+    from metadist.lowering import lower
+    from metadist.shardcombine.api import rules_from_database
+    from metadist.solver import plan_graph
+    from metadist.solver.precision import restricted_values
+    from metadist.solver.problem import Restrictions, build_problem
+
+    model = Tiny()
+    batch = {"x": torch.randn(65536, 8), "weight": torch.tensor(1.0)}
+    graph = capture_step(plain_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, precision="bf16").graph
+    rules = rules_from_database(graph, TorchExecutor())
+    cluster = resolve_cluster("a100x8", Mesh((2,)))
+    restricted = restricted_values(graph, "float32")
+    problem = build_problem(graph, rules.rules, cluster, Restrictions(reduce_dtype="float32"))
+    inside = [node.name for node in graph.nodes
+              if len(set(node.input_names)) == 1 and set(node.input_names) <= restricted
+              and any(value.name in restricted for value in node.output_values)]
+    assert inside, "the bf16 step has nodes from one restricted gradient to another"
+    assert any(problem.member_unit[name][1] > 0 for name in inside)  # followers, not units of their own
+    plan = plan_graph(graph, rules, cluster, reduce_dtype="float32")
+    kinds = [(kind, dtype) for kind, dtype in _collectives(lower(graph, plan, (0,))) if kind in ("all_reduce", "reduce_scatter")]
+    assert kinds and {dtype for _, dtype in kinds} == {"float32"}
+
+
 def _collectives(program):
     """(kind, dtype) of every collective the rank program runs."""
     for instruction in program.instructions:

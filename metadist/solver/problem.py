@@ -190,9 +190,12 @@ def _try_follow(graph, node, sets, compute, where, members, rows, price, facts: 
     distinct = set(node.input_names)
     if len(distinct) != 1 or len(sets[node.name].strategies) <= 1:
         return False
-    if any(value.name in restricted for value in node.output_values):
-        return False  # its greedy choice (pass a Partial on) could leave only forbidden reductions: the ILP decides
     value = distinct.pop()
+    if value not in restricted and any(output.name in restricted for output in node.output_values):
+        # a restricted output of an unrestricted input: its greedy choice (pass a Partial on) could leave only forbidden
+        # reductions where reducing here, in the input's dtype, was allowed: the ILP decides. A restricted input
+        # cannot be reduced here either, so following it gives up nothing
+        return False
     if node.op.target in CAST_OPS and graph.producer(value) is None:
         return False  # a parameter's cast (mixed precision): cast the shard and gather the copy, or not, is the ILP's
     producer = graph.producer(value)
