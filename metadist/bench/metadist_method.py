@@ -176,12 +176,11 @@ def _plan_on_rank_zero(solve: Any, ctx: RankContext) -> Any:
     recomputed, 2x2: its 33 s relaxation ran past the 60 s limit), and a solve stopped by its time limit could leave
     the ranks on different plans.
     """
-    from ..ir.plan import Plan
-    from ..runtime.plan_source import broadcast_text
+    from ..runtime.plan_source import broadcast_plan
 
     if ctx.world_size == 1:
         return solve()
-    return Plan.from_json(broadcast_text(solve().to_json() if ctx.rank == 0 else ""))
+    return broadcast_plan(solve() if ctx.rank == 0 else None)
 
 
 def _recomputing(planned: Planned) -> tuple[Planned, Any, tuple[int, ...]]:

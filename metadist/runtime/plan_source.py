@@ -77,10 +77,15 @@ def _solver_plan(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_b
 
     if not dist.is_initialized():
         return _solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned)
-    text = (_solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned).to_json()
-            if dist.get_rank() == 0 else "")
+    plan = (_solve(torch_step, mesh, source, memory_budget_bytes, cluster, bucket_cap_bytes, pinned)
+            if dist.get_rank() == 0 else None)
     with phase("waiting for rank 0's plan", quiet=True):
-        return Plan.from_json(broadcast_text(text))
+        return broadcast_plan(plan)
+
+
+def broadcast_plan(plan: Plan | None) -> Plan:
+    """Rank 0's ``plan`` (None on the other ranks) on every rank, sent as its JSON."""
+    return Plan.from_json(broadcast_text(plan.to_json() if plan is not None else ""))
 
 
 def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: int | None, cluster: str | None,

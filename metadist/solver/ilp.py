@@ -113,6 +113,14 @@ def quiet_highs() -> highspy.Highs:
     return highs
 
 
+def _rowwise(rows: list[tuple[list[int], list[float], float, float]]) -> tuple[np.ndarray, ...]:
+    """``rows`` as HiGHS takes them: row lower and upper bounds, then the row-wise matrix (starts, with the end
+    after the last row, indices and values)."""
+    return (np.array([row[2] for row in rows]), np.array([row[3] for row in rows]),
+            np.cumsum([0] + [len(row[0]) for row in rows]).astype(np.int32),
+            np.array([i for row in rows for i in row[0]], dtype=np.int32), np.array([v for row in rows for v in row[1]]))
+
+
 class ShardingILP:
     """Builds and solves the ILP written out in the module docstring."""
 
@@ -262,12 +270,9 @@ class ShardingILP:
         lp.col_cost_ = np.array(self.cost)
         lp.col_lower_ = np.zeros(len(self.cost))
         lp.col_upper_ = np.array(self.upper)
-        lp.row_lower_ = np.array([row[2] for row in rows])
-        lp.row_upper_ = np.array([row[3] for row in rows])
+        lp.row_lower_, lp.row_upper_, starts, index, value = _rowwise(rows)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.cumsum([0] + [len(row[0]) for row in rows]).astype(np.int32)
-        lp.a_matrix_.index_ = np.array([i for row in rows for i in row[0]], dtype=np.int32)
-        lp.a_matrix_.value_ = np.array([v for row in rows for v in row[1]])
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = starts, index, value
         lp.integrality_ = [highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous for flag in self.integer]
         return lp
 
@@ -312,11 +317,8 @@ class ShardingILP:
         if all(float(np.dot(values[index], value)) <= upper + MEMORY_ROW_TOLERANCE for index, value, _, upper in self.memory_rows):
             return
         self._lacking_memory_rows = None
-        starts = np.cumsum([0] + [len(row[0]) for row in self.memory_rows[:-1]]).astype(np.int32)
-        highs.addRows(len(self.memory_rows), np.array([row[2] for row in self.memory_rows]),
-                      np.array([row[3] for row in self.memory_rows]), sum(len(row[0]) for row in self.memory_rows),
-                      starts, np.array([i for row in self.memory_rows for i in row[0]], dtype=np.int32),
-                      np.array([v for row in self.memory_rows for v in row[1]]))
+        lower, upper, starts, index, value = _rowwise(self.memory_rows)
+        highs.addRows(len(self.memory_rows), lower, upper, len(index), starts[:-1], index, value)
         logger.info("ILP: the relaxation's optimum breaks the memory budget; solving on with its rows")
         highs.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
         highs.run()
