@@ -217,7 +217,7 @@ class CompiledTrainStep:
         self.compiled.load_checkpoint(path)
 
     def _compile(self, model: Any, optimizer: Any, batch: Any) -> Any:
-        from .frontends.torch import capture_step
+        from .frontends.torch.repeat import capture_repeated_step
         from .runtime.build import StepOptions, bytes_from_mib, compile_captured, read_plan_source
 
         from .runtime.start_state import check_same_structure
@@ -236,9 +236,9 @@ class CompiledTrainStep:
         check_same_structure(model, optimizer)  # before planning: rank 0's plan must fit every rank's graph
         capture_batch = _global_batch_for_capture(batch) if self.options.batch == "local" else batch
         step = self.fn if self.takes_optimizer else _without_optimizer(self.fn)
-        torch_step = capture_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"),
-                                  expert_capacity_factor=self.options.expert_capacity_factor,
-                                  precision=self.options.precision)
+        torch_step = capture_repeated_step(step, model, optimizer, capture_batch, name=getattr(self.fn, "__name__", "step"),
+                                           expert_capacity_factor=self.options.expert_capacity_factor,
+                                           precision=self.options.precision)
         memory = None if self.options.memory_gb is None else int(self.options.memory_gb * 1e9)
         options = StepOptions(plan=read_plan_source(self.options.plan), memory_budget_bytes=memory, cluster=self.options.cluster,
                               compile_backend=self.options.compile_backend, init_seed=self.options.init_seed,

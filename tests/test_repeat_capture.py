@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -115,6 +116,61 @@ def test_a_library_model_with_its_default_kv_cache_expands_to_the_whole_capture(
     constants = [gi.value.name for gi in whole.inputs if gi.role.value == "constant"]
     assert len(constants) >= 5  # the cache's tensors of every layer
     assert expanded == whole
+
+
+def _same_step(expanded, whole) -> None:
+    """Every field a run reads of the step agrees: graph, slots, constants (tensor for tensor), layouts, the rest."""
+    assert expanded.graph == whole.graph
+    assert expanded.slots == whole.slots
+    assert expanded.constants.keys() == whole.constants.keys()
+    for name, tensor in whole.constants.items():
+        assert expanded.constants[name].dtype == tensor.dtype and torch.equal(expanded.constants[name], tensor), name
+    assert expanded.contiguous_values == whole.contiguous_values
+    assert expanded.left_grads == whole.left_grads
+    assert expanded.optimizer_structure == whole.optimizer_structure
+    assert expanded.loss_divisor == whole.loss_divisor
+    assert expanded.output_tree == whole.output_tree
+    assert expanded.graph_module is None
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_an_expanded_step_is_the_whole_capture_and_runs_as_it(caplog, keep_grads):
+    """What ``metadist run`` captures: a library GPT-2 of 6 layers (its KV cache constants on) on 4 layers, expanded to
+    a step a run executes; both steps run from the same state to the same loss and state."""
+    from metadist.frontends.torch.repeat import capture_repeated_step
+
+    model, optimizer, batch = _library_gpt2(layers=6)
+    with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
+        expanded = capture_repeated_step(lm_step, model, optimizer, batch, name="gpt2", min_layers=5, keep_grads=keep_grads)
+    assert "on 4 of its 6 layers" in caplog.text
+    whole = capture_step(lm_step, model, optimizer, batch, name="gpt2", keep_grads=keep_grads)
+    _same_step(expanded, whole)
+    twin = copy.deepcopy(model)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    loss = expanded.run(model, optimizer, batch)
+    torch.manual_seed(1)
+    twin_loss = whole.run(twin, twin_optimizer, batch)
+    assert torch.equal(loss, twin_loss)
+    for (name, param), twin_param in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(param, twin_param), name
+
+
+def test_a_step_leaving_gradients_behind_expands_them_for_every_layer():
+    """A step that never zeroes its gradients leaves every layer's behind (a run refuses it, naming them all)."""
+    from metadist.frontends.torch.repeat import capture_repeated_step
+
+    def step_without_zero_grad(model, optimizer, batch):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model, optimizer, batch = _library_gpt2(layers=6)
+    expanded = capture_repeated_step(step_without_zero_grad, model, optimizer, batch, min_layers=5)
+    whole = capture_step(step_without_zero_grad, model, optimizer, batch)
+    assert len(whole.left_grads) == len(list(model.parameters()))
+    _same_step(expanded, whole)
 
 
 def test_a_raw_gradient_capture_of_a_library_model_has_canonical_names():

@@ -247,9 +247,10 @@ def run(args: argparse.Namespace) -> int:
             f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "
             f"pass --nproc {mesh.size} or a mesh of {args.nproc} devices"
         )
+    # this process has computed nothing with torch: its ranks may be forks of it (LocalLaunch.fork)
     outcome = launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)),
                                             nproc=args.nproc, log_dir=log_dir(args), name=args.model,
-                                            max_restarts=args.max_restarts), "metadist run")
+                                            max_restarts=args.max_restarts, fork=True), "metadist run")
     if outcome.ok:
         if outcome.restarts:
             print(f"the group was restarted {outcome.restarts} time(s) and finished; each attempt's logs are in "

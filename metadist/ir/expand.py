@@ -37,7 +37,7 @@ from typing import Callable
 
 from .graph import STATE_ROLES, Arg, Graph, GraphInput, GraphOutput, IRError, Node, Role, Value, ValueRef
 
-__all__ = ["CAPTURED_LAYERS", "ExpansionError", "canonical_names", "expand_layers", "op_base_name"]
+__all__ = ["CAPTURED_LAYERS", "ExpansionError", "canonical_names", "expand_layers", "expand_layers_traced", "op_base_name"]
 
 CAPTURED_LAYERS = 4
 """Layers a step is captured with before expansion: the first, two middle ones, and the last.
@@ -400,10 +400,11 @@ def _layer_constants(graph: Graph, where: dict[int, tuple[int, int, int]]) -> di
     return owned if any(counts.values()) else {}
 
 
-def _renumber_constants(graph: Graph) -> Graph:
+def _renumber_constants(graph: Graph) -> tuple[Graph, dict[str, str]]:
     """Tensor constants named ``const:_tensor_constant<N>`` by their order among the inputs, as a whole capture names
-    them (the trace numbers constants as it creates them, layer by layer)."""
-    renamed, inputs, number = {}, [], 0
+    them (the trace numbers constants as it creates them, layer by layer); and the renaming (old name -> new)."""
+    renamed: dict[str, str] = {}
+    inputs, number = [], 0
     for gi in graph.inputs:
         if gi.role is Role.CONSTANT and (_CONSTANT_NAME.match(gi.value.name) or "~" in gi.value.name):
             name = f"const:_tensor_constant{number}"
@@ -412,10 +413,10 @@ def _renumber_constants(graph: Graph) -> Graph:
             gi = GraphInput(Value(name, gi.value.spec), gi.role, name.removeprefix("const:"))
         inputs.append(gi)
     if not renamed:
-        return graph
+        return graph, renamed
     nodes = tuple(_renamed_node(node, node.name, renamed) for node in graph.nodes)
     outputs = tuple(replace(output, name=renamed.get(output.name, output.name)) for output in graph.outputs)
-    return Graph(inputs=tuple(inputs), nodes=nodes, outputs=outputs, name=graph.name)
+    return Graph(inputs=tuple(inputs), nodes=nodes, outputs=outputs, name=graph.name), renamed
 
 
 def _check_constant_order(graph: Graph) -> None:
@@ -432,6 +433,17 @@ def expand_layers(graph: Graph, prefix: str, layers: int, base_of: Callable[[str
     result has canonical names (:func:`canonical_names`). Raises :class:`ExpansionError` where the
     captured step does not repeat its layers as the module docstring describes.
     """
+    return expand_layers_traced(graph, prefix, layers, base_of)[0]
+
+
+def expand_layers_traced(graph: Graph, prefix: str, layers: int,
+                         base_of: Callable[[str], str] = op_base_name) -> tuple[Graph, dict[str, str]]:
+    """:func:`expand_layers`, and where each value of the expansion comes from: expanded name -> the captured
+    value it copies, for every node output and tensor constant (a middle layer's copy names layer 1's value).
+
+    A frontend carries what it knows of the captured values (their tensors, their layouts) over to the
+    expansion with it (:func:`metadist.frontends.torch.repeat.capture_repeated_step`).
+    """
     layers_of = _Layers(prefix)
     found = sorted({layer for gi in graph.inputs if (layer := layers_of.of(gi.value.name)) is not None})
     if found != list(range(CAPTURED_LAYERS)):
@@ -442,4 +454,13 @@ def expand_layers(graph: Graph, prefix: str, layers: int, base_of: Callable[[str
     expansion = _Expansion(graph, layers_of, layers)
     expanded = Graph(inputs=tuple(expansion.inputs()), nodes=tuple(expansion.nodes()), outputs=tuple(expansion.outputs()),
                      name=graph.name)
-    return canonical_names(_renumber_constants(expanded), base_of)[0]
+    # a copy is named after its captured value, suffixed ``~<layer>`` for a middle layer (captured names hold no ``~``)
+    copied = [gi.value.name for gi in expanded.inputs if gi.role is Role.CONSTANT]
+    copied += [value.name for node in expanded.nodes for value in node.outputs if value is not None]
+    renumbered, constants_renamed = _renumber_constants(expanded)
+    result, values_renamed = canonical_names(renumbered, base_of)
+    origin = {}
+    for name in copied:
+        renamed = constants_renamed.get(name, name)
+        origin[values_renamed.get(renamed, renamed)] = name.split("~", 1)[0]
+    return result, origin

@@ -54,10 +54,29 @@ class LocalLaunch:
     """Rank 0's standard output stays on the terminal; False: it goes to its log like everything else."""
     max_restarts: int = 0
     """Times torchelastic restarts the whole group after a rank fails (each attempt logs in ``attempt_N``)."""
+    fork: bool = False
+    """Start the ranks as forks of this process, ``module`` and :data:`FORK_PRELOAD` imported first, where
+    :func:`fork_is_safe` (each rank then skips importing torch and MetaDist: seconds of a short run); otherwise,
+    and by default, each rank is a new ``python -m module``. Only for a process that has run no torch computation
+    (OpenMP's thread pool does not survive a fork: a forked rank's first parallel op would hang), such as
+    ``metadist run``'s, which only reads its arguments before it launches."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ValueError(f"nproc must be at least 1, got {self.nproc}")
+
+
+FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "metadist.runtime.build",
+                "metadist.runtime.step", "metadist.runtime.check", "metadist.solver", "metadist.ir.plan")
+"""Modules a forked rank's recipe imports, imported once by the launching process before it forks."""
+
+
+def fork_is_safe() -> bool:
+    """Whether this machine lets ranks be forked: no CUDA device. A rank cannot use CUDA in a fork of a process that
+    initialised it, and asking whether a device exists does; where one exists the ranks are spawned."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -146,16 +165,25 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
     redirects = {rank: Std.ALL for rank in range(launch.nproc)}
     if launch.show_rank0_stdout:
         redirects[0] = Std.ERR
+    fork = launch.fork and fork_is_safe()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=launch.nproc, run_id="ranks", role="rank",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts, monitor_interval=0.1,
-        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
+        start_method="fork" if fork else "spawn", logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
     )
+    if fork:
+        import importlib
+
+        for module in (*FORK_PRELOAD, launch.module):
+            importlib.import_module(module)
     # as torchrun does: one OpenMP thread per rank unless the user chose otherwise
     threads = "1" if launch.nproc > 1 and "OMP_NUM_THREADS" not in os.environ else ""
     with _launcher_log(run_folder / "launcher.log"), _environment(OMP_NUM_THREADS=threads):
         try:
-            elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
+            if fork:
+                elastic_launch(config, _forked_rank)(launch.module, *launch.args)
+            else:
+                elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
         except ChildFailedError as err:
             failures = tuple(_rank_failure(run_folder, rank, failure.exitcode)
                              for rank, failure in sorted(err.failures.items()))
@@ -163,6 +191,35 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
         except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
             raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
     return LaunchOutcome(run_folder, (), _restarts(run_folder))
+
+
+def _forked_rank(module: str, *args: str) -> None:
+    """A forked rank: ``module.main(args)``, what ``python -m module args...`` runs in a spawned rank.
+
+    What the fork inherited and a new process would not have is undone first: the launcher's signal handlers
+    (torchelastic's, which would turn the agent's SIGTERM into an exception of the rank's own), the launcher's log
+    file on ``torch.distributed``'s logger, and the intra-op thread count (OpenMP read ``OMP_NUM_THREADS`` when
+    the launcher imported torch, before the launch set it). Returns on success; a failing rank exits non-zero.
+    """
+    import importlib
+
+    import torch
+
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _SAVED_TORCH_LOGGING:
+        logger = logging.getLogger("torch.distributed")
+        logger.handlers, logger.propagate, logger.level = _SAVED_TORCH_LOGGING[-1]
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    sys.argv = [module, *args]
+    # ``module.main(argv)``, not its ``__main__`` block: that leaves through os._exit, and a forked rank reports its
+    # success by returning (multiprocessing ends the fork with os._exit after, skipping C++ teardown all the same)
+    code = importlib.import_module(module).main(list(args))
+    if code:
+        sys.exit(code)
 
 
 def _restarts(run_folder: Path) -> int:
@@ -225,11 +282,17 @@ def _launcher_log(path: Path) -> Iterator[None]:
     saved = (list(logger.handlers), logger.propagate, logger.level)
     logger.handlers = [handler]
     logger.propagate, logger.level = False, logging.INFO
+    _SAVED_TORCH_LOGGING.append(saved)  # what a forked rank puts back (_forked_rank)
     try:
         yield
     finally:
+        _SAVED_TORCH_LOGGING.pop()
         handler.close()
         logger.handlers, logger.propagate, logger.level = saved
+
+
+_SAVED_TORCH_LOGGING: list[tuple] = []
+"""The ``torch.distributed`` logger's state before :func:`_launcher_log` replaced it (innermost last)."""
 
 
 @contextlib.contextmanager

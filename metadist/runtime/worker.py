@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> int:
     """The recipe; returns the exit status. ``phase_times`` (a listener of this rank's phases) feeds the summary."""
-    from ..frontends.torch import capture_step
+    from ..frontends.torch.repeat import capture_repeated_step
     from ..ir.plan import Plan, graph_fingerprint
     from ..progress import enter
     from .build import StepOptions, compile_captured, read_plan_source
@@ -164,7 +164,8 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
         reporter.note(f"precision {policy.describe()}" + ("; loss scaled by a GradScaler" if _scales_loss(config, policy) else ""))
     plan_source = read_plan_source(config.plan)
     enter("capture")
-    torch_step = capture_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check,
+    # a deep model's step is captured on 4 of its layers and expanded (frontends.torch.repeat), as `metadist plan` does
+    torch_step = capture_repeated_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check,
                               name=workload.name or "step", precision=policy,
                               expert_capacity_factor=config.expert_capacity_factor)
     compare_grads = config.check
@@ -177,8 +178,9 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
 
     if config.check and isinstance(plan_source, Plan) and plan_source.graph_fingerprint != graph_fingerprint(planned_graph(torch_step.graph)):
         # perhaps made for the step without gradient outputs (e.g. by `metadist plan`): try that graph
-        without_grads = capture_step(train_step, workload.model, optimizer, workload.batch, name=workload.name or "step",
-                                     precision=policy, expert_capacity_factor=config.expert_capacity_factor)
+        without_grads = capture_repeated_step(train_step, workload.model, optimizer, workload.batch,
+                                              name=workload.name or "step", precision=policy,
+                                              expert_capacity_factor=config.expert_capacity_factor)
         if plan_source.graph_fingerprint == graph_fingerprint(planned_graph(without_grads.graph)):
             torch_step, compare_grads = without_grads, False
             reporter.note("the plan file is for the step without gradient outputs: --check compares the loss, "

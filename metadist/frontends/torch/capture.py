@@ -72,7 +72,9 @@ class TorchStep:
     """
 
     graph: Graph
-    graph_module: torch.fx.GraphModule
+    graph_module: torch.fx.GraphModule | None
+    """The functional fx graph the trace made; None for a step expanded from a capture of fewer layers
+    (:func:`.repeat.capture_repeated_step`), which runs from ``graph`` like every step."""
     slots: tuple[InputSlot, ...]
     constants: dict[str, torch.Tensor]
     output_tree: Any
@@ -302,7 +304,8 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
         # the dropped copies would leave gaps in the numbering: renamed from the op sequence again, so that a capture
         # on a few layers expanded (frontends.torch.repeat) gets the same names as this one
         graph, renamed = canonical_names(_grads_without_copies(graph))
-        contiguous_values = frozenset(renamed.get(value, value) for value in contiguous_values)
+        # a dropped copy's old name may now name another value: only values still in the graph keep their flag
+        contiguous_values = frozenset(renamed[value] for value in contiguous_values if value in renamed)
     if routing:
         graph = dataclasses.replace(graph, routing=tuple(routing))  # MetaIR states the experts' static dispatch
     elapsed = time.perf_counter() - started

@@ -22,6 +22,7 @@ restored after it. On LLaMA-7B (32 layers) this takes 3-4 s of CPU where the who
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import time
@@ -31,11 +32,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...gc_pause import gc_paused
-from ...ir import Graph
-from ...ir.expand import CAPTURED_LAYERS, ExpansionError, expand_layers
-from .capture import capture_step
+from ...ir import Graph, Role
+from ...ir.expand import CAPTURED_LAYERS, LAST, ExpansionError, expand_layers_traced
+from .capture import TorchStep, capture_step, loss_divisor_of
+from .optim import optimizer_structure
 
-__all__ = ["MIN_LAYERS_TO_EXPAND", "RepeatedLayers", "capture_repeated", "find_repeated_layers"]
+__all__ = ["MIN_LAYERS_TO_EXPAND", "RepeatedLayers", "capture_repeated", "capture_repeated_step", "find_repeated_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +155,10 @@ def _cut_optimizer(optimizer: Any, model: torch.nn.Module) -> Any:
     return cut
 
 
-def _capture_cut(train_step: Callable, model, optimizer, batch, layers: RepeatedLayers, count: int, **options) -> Graph:
+def _capture_cut(train_step: Callable, model, optimizer, batch, layers: RepeatedLayers, count: int, **options) -> TorchStep:
     with _cut(model, layers, count):
         cut_optimizer = None if optimizer is None else _cut_optimizer(optimizer, model)
-        return capture_step(train_step, model, cut_optimizer, batch, **options).graph
+        return capture_step(train_step, model, cut_optimizer, batch, **options)
 
 
 @gc_paused()
@@ -168,22 +170,123 @@ def capture_repeated(train_step: Callable, model: torch.nn.Module, optimizer: An
     The graph equals the whole capture's (same names, same fingerprint), so a plan made from it runs the
     whole capture; see the module docstring for the checks.
     """
+    return capture_repeated_step(train_step, model, optimizer, batch, name=name, keep_grads=keep_grads, min_layers=min_layers,
+                                 expert_capacity_factor=expert_capacity_factor, precision=precision, raw_grads=raw_grads).graph
+
+
+@gc_paused()
+def capture_repeated_step(train_step: Callable, model: torch.nn.Module, optimizer: Any, batch: Any, *, name: str = "step",
+                          keep_grads: bool = False, min_layers: int = MIN_LAYERS_TO_EXPAND,
+                          expert_capacity_factor: float | None = None, precision: Any = None,
+                          raw_grads: bool = False) -> TorchStep:
+    """:func:`.capture.capture_step`'s result, expanded from 4 captured layers where the model repeats ``min_layers``
+    or more (else captured whole): what a run needs of the step, not just its graph.
+
+    Beside the graph, the expansion carries over what the capture knows of each value: where each graph input
+    comes from (its slot), the tensor constants the trace created, the values whose layout the trace saw as
+    contiguous, the parameters whose gradient the step leaves behind. The same checks as the graph's apply to
+    these: expanding the 4 captured layers to 4 must give back the capture's own (layer 2's constants equal
+    layer 1's, tensor for tensor). The step has no fx module (``graph_module`` is None); it runs from its graph.
+    """
     options = dict(name=name, keep_grads=keep_grads, expert_capacity_factor=expert_capacity_factor, precision=precision,
                    raw_grads=raw_grads)
     layers = find_repeated_layers(model)
     if layers is None or layers.count < max(min_layers, CAPTURED_LAYERS + 1):
-        return capture_step(train_step, model, optimizer, batch, **options).graph
+        return capture_step(train_step, model, optimizer, batch, **options)
     started = time.perf_counter()
     try:
         captured = _capture_cut(train_step, model, optimizer, batch, layers, CAPTURED_LAYERS, **options)
-        if captured.routing:
+        if captured.graph.routing:
             raise ExpansionError("its experts layers' routing records are not expanded yet")
-        if expand_layers(captured, layers.prefix, CAPTURED_LAYERS) != captured:
+        if captured.watched_grad_elements:
+            raise ExpansionError("it counts its float16 gradients' underflow, a count not expanded yet")
+        if _expand_step(captured, layers, CAPTURED_LAYERS, model, optimizer, check=True) != captured.graph:
             raise ExpansionError(f"layer 2 written from layer 1 differs from its capture: the {CAPTURED_LAYERS} captured layers do not repeat")
-        graph = expand_layers(captured, layers.prefix, layers.count)
+        step = _expand_step(captured, layers, layers.count, model, optimizer)
     except ExpansionError as err:
         log.info("capturing %s whole: its %d layers under %r do not expand (%s)", name, layers.count, layers.path, err)
-        return capture_step(train_step, model, optimizer, batch, **options).graph
+        return capture_step(train_step, model, optimizer, batch, **options)
+    elapsed = time.perf_counter() - started
     log.info("captured %s on %d of its %d layers and expanded it to %d nodes in %.2f s", name, CAPTURED_LAYERS,
-             layers.count, len(graph.nodes), time.perf_counter() - started)
-    return graph
+             layers.count, len(step.graph.nodes), elapsed)
+    return dataclasses.replace(step, capture_seconds=elapsed)
+
+
+class _LayerNames:
+    """Layer indices in parameter and input names under one module path (as :mod:`metadist.ir.expand` reads them)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def of(self, name: str) -> int | None:
+        if not name.startswith(self.prefix):
+            return None
+        head = name[len(self.prefix):].split(".", 1)[0].split(":", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def moved(self, name: str, layer: int) -> str:
+        rest = name[len(self.prefix):]
+        head = rest.split(".", 1)[0].split(":", 1)[0]
+        return f"{self.prefix}{layer}{rest[len(head):]}"
+
+
+def _captured_name(name: str, layer_names: _LayerNames, count: int) -> str:
+    """The captured input or parameter that ``name`` of the ``count``-layer step is a copy of."""
+    layer = layer_names.of(name)
+    if layer is None:
+        return name
+    label = 0 if layer == 0 else LAST if layer == count - 1 else 1
+    return layer_names.moved(name, label)
+
+
+def _expand_step(captured: TorchStep, layers: RepeatedLayers, count: int, model: torch.nn.Module, optimizer: Any,
+                 check: bool = False) -> Any:
+    """The step of ``count`` layers from ``captured`` (of :data:`CAPTURED_LAYERS`).
+
+    ``check=True`` (``count`` being the captured layers): verifies that what the expansion carries over gives back
+    the capture's own slots, constants, layouts and left gradients, raising :class:`ExpansionError` where not, and
+    returns the expanded graph for the caller to compare with the capture's.
+    """
+    graph, origin = expand_layers_traced(captured.graph, layers.prefix, count)
+    names = _LayerNames(layers.prefix)
+    slot_of = {slot.name: slot for slot in captured.slots}
+    slots, constants = [], {}
+    for graph_input in graph.inputs:
+        name = graph_input.value.name
+        if graph_input.role is Role.CONSTANT:
+            source = slot_of[origin.get(name, name)]
+            slots.append(dataclasses.replace(source, name=name, key=name))
+            constants[name] = captured.constants[source.key]
+            continue
+        source = slot_of.get(_captured_name(name, names, count))
+        if source is None:
+            raise ExpansionError(f"input {name} of the expansion has no captured counterpart")
+        key_layer = names.of(source.key)
+        key = source.key if key_layer is None else names.moved(source.key, names.of(name))
+        slots.append(dataclasses.replace(source, name=name, key=key))
+    contiguous = frozenset(name for name, source in origin.items() if source in captured.contiguous_values)
+    contiguous |= captured.contiguous_values & {gi.value.name for gi in graph.inputs}
+    full_params = [name for name, _ in model.named_parameters()] if not check else None
+    if check:
+        _check_carried(captured, graph, slots, constants, contiguous, origin)
+        return graph
+    left = set(captured.left_grads)
+    left_grads = tuple(name for name in full_params if _captured_name(name, names, count) in left)
+    return dataclasses.replace(
+        captured, graph=graph, graph_module=None, slots=tuple(slots), constants=constants, contiguous_values=contiguous,
+        left_grads=left_grads, optimizer_structure=optimizer_structure(optimizer), loss_divisor=loss_divisor_of(graph),
+    )
+
+
+def _check_carried(captured: TorchStep, graph: Graph, slots: list, constants: dict, contiguous: frozenset,
+                   origin: dict[str, str]) -> None:
+    """The capture's own slots, constants and layouts, written from layers 0, 1 and 3, equal what was captured."""
+    if tuple(slots) != captured.slots:
+        raise ExpansionError("the graph inputs' slots written from layer 1 differ from the captured ones")
+    for name, tensor in constants.items():
+        own = captured.constants.get(name)
+        if own is None or own.dtype != tensor.dtype or own.shape != tensor.shape or not torch.equal(own, tensor):
+            raise ExpansionError(f"tensor constant {name} of layer 2 differs from layer 1's: the layers create different constants")
+    if contiguous != captured.contiguous_values:
+        differ = sorted(contiguous ^ captured.contiguous_values)[:3]
+        raise ExpansionError(f"the layouts of layer 2's values differ from layer 1's ({differ})")

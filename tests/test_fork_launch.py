@@ -1,0 +1,77 @@
+"""``metadist run`` forks its ranks from a process that imported torch and MetaDist once (``LocalLaunch.fork``).
+
+A forked rank must start as a spawned one would: its own thread count, the default signal handlers, torch's own
+logging, its torchelastic environment. The model file below writes what its rank sees, and the run checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPORTING_MODEL = '''
+import json, logging, os, signal, sys
+import torch
+import metadist
+
+def workload():
+    rank = int(os.environ["RANK"])
+    facts = {
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "threads": torch.get_num_threads(),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "launcher_log_handlers": [type(h).__name__ for h in logging.getLogger("torch.distributed").handlers
+                                  if getattr(h, "baseFilename", "").endswith("launcher.log")],
+        "local_rank": os.environ["LOCAL_RANK"],
+        "main": getattr(sys.modules["__main__"], "__file__", ""),
+    }
+    with open(os.path.join(os.environ["FACTS_DIR"], f"rank{rank}.json"), "w") as out:
+        json.dump(facts, out)
+    torch.manual_seed(0)
+    return metadist.Workload(model=torch.nn.Linear(8, 4), batch={"x": torch.randn(4, 8)},
+                             loss_fn=lambda m, b: m(b["x"]).square().mean(),
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+'''
+
+
+@pytest.mark.distributed
+def test_forked_ranks_start_as_spawned_ones_would_and_pass_the_check(tmp_path):
+    model = tmp_path / "model_file.py"
+    model.write_text(REPORTING_MODEL)
+    env = dict(os.environ, OMP_NUM_THREADS="1", FACTS_DIR=str(tmp_path))
+    command = subprocess.Popen([sys.executable, "-m", "metadist.cli.main", "run", str(model), "--nproc", "2",
+                                "--steps", "2", "--check", "--timeout-s", "60", "--log-dir", str(tmp_path / "logs")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = command.communicate(timeout=600)
+    assert command.returncode == 0, stdout + stderr
+    assert "check: PASS" in stdout
+    facts = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, seen in enumerate(facts):
+        assert seen["parent"] == command.pid, seen
+        # a fork of the command's own interpreter (a spawned rank's __main__ is metadist/runtime/worker.py)
+        assert Path(seen["main"]).parts[-3:] == ("metadist", "cli", "main.py"), seen
+        assert seen["threads"] == 1, seen  # OMP_NUM_THREADS as the launch set it, not the launcher's count
+        assert seen["sigterm_default"] and seen["sigint_default"], seen  # not torchelastic's launcher handlers
+        assert seen["launcher_log_handlers"] == [], seen  # the launcher's log file stays the launcher's
+        assert seen["local_rank"] == str(rank)
+
+
+def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):
+    """Ranks are spawned by default (a caller that ran torch computation must not fork: OpenMP's threads do not
+    survive it), and on a machine with a CUDA device even when asked."""
+    import torch
+
+    from metadist.runtime.launch import LocalLaunch, fork_is_safe
+
+    assert LocalLaunch(module="m", args=(), nproc=2, log_dir=Path("."), name="n").fork is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not fork_is_safe()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fork_is_safe()
