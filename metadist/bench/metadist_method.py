@@ -65,8 +65,8 @@ def _api() -> dict[str, Any]:
     try:
         from .. import __version__
         from ..cost.cluster import resolve_cluster
-        from ..frontends.torch import capture_step
         from ..frontends.torch.discovery import TorchExecutor
+        from ..frontends.torch.repeat import capture_repeated_step
         from ..ir import Mesh
         from ..runtime.step import CompiledStep
         from ..shardcombine.api import graph_rules
@@ -74,7 +74,8 @@ def _api() -> dict[str, Any]:
         from ..solver import baseline_plan, plan_graph
     except ImportError as err:
         raise MethodUnavailable(f"the MetaDist pipeline is not complete in this tree ({err})") from err
-    return dict(version=__version__, resolve_cluster=resolve_cluster, capture_step=capture_step,
+    return dict(version=__version__, resolve_cluster=resolve_cluster,
+                capture_step=capture_repeated_step,  # as metadist run: a deep model on 4 layers, expanded
                 TorchExecutor=TorchExecutor, Mesh=Mesh, CompiledStep=CompiledStep, graph_rules=graph_rules,
                 RuleDatabase=RuleDatabase, baseline_plan=baseline_plan, plan_graph=plan_graph)
 

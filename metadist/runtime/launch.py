@@ -185,8 +185,10 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
             else:
                 elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
         except ChildFailedError as err:
-            failures = tuple(_rank_failure(run_folder, rank, failure.exitcode)
-                             for rank, failure in sorted(err.failures.items()))
+            exitcodes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+            if fork:  # torch's process context reports the first rank that exits: the others' error files say the rest
+                exitcodes = {**_recorded_failures(run_folder, launch.nproc), **exitcodes}
+            failures = tuple(_rank_failure(run_folder, rank, code) for rank, code in sorted(exitcodes.items()))
             return LaunchOutcome(run_folder, failures, _restarts(run_folder))
         except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
             raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
@@ -219,7 +221,28 @@ def _forked_rank(module: str, *args: str) -> None:
     # success by returning (multiprocessing ends the fork with os._exit after, skipping C++ teardown all the same)
     code = importlib.import_module(module).main(list(args))
     if code:
+        time.sleep(FORKED_FAILURE_GRACE_S)
         sys.exit(code)
+
+
+FORKED_FAILURE_GRACE_S = 1.0
+"""How long a failing forked rank waits before it exits. A spawned rank's Python teardown takes about this long, which
+gives the other ranks time to record their own errors (the same error, which rank 0 broadcast to them, or what its
+failure did to them) before the launcher stops them; a fork leaves at once, through ``os._exit``."""
+
+
+def _recorded_failures(run_folder: Path, nproc: int) -> dict[int, int]:
+    """Ranks of the last attempt that recorded an exception in their error file, with exit status 1 (their status is
+    not known: the launcher stopped them after the first rank's failure)."""
+    found = {}
+    for rank in range(nproc):
+        try:
+            folder = rank_folder(run_folder, rank)
+        except FileNotFoundError:
+            continue
+        if (folder / "error.json").exists():
+            found[rank] = 1
+    return found
 
 
 def _restarts(run_folder: Path) -> int:
