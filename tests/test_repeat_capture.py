@@ -173,6 +173,22 @@ def test_a_step_leaving_gradients_behind_expands_them_for_every_layer():
     _same_step(expanded, whole)
 
 
+def test_what_the_whole_capture_refuses_is_refused_not_expanded_without_it():
+    """An optimizer step hook: the cut optimizer would not carry it over, so the expansion would silently drop it;
+    the whole capture's error is raised instead."""
+    from metadist.frontends.torch import CaptureError
+    from metadist.frontends.torch.repeat import capture_repeated_step
+
+    model, optimizer, batch = _library_gpt2(layers=6)
+    handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: None)
+    try:
+        with pytest.raises(CaptureError, match="step hook"):
+            capture_repeated_step(lm_step, model, optimizer, batch, min_layers=5)
+    finally:
+        handle.remove()
+    assert len(model.transformer.h) == 6
+
+
 def test_a_raw_gradient_capture_of_a_library_model_has_canonical_names():
     """Copies dropped from the gradient outputs leave no gaps in the numbering (a few captured layers expand to it)."""
     from metadist.ir.expand import canonical_names

@@ -35,7 +35,7 @@ from ...gc_pause import gc_paused
 from ...ir import Graph, Role
 from ...ir.expand import CAPTURED_LAYERS, LAST, ExpansionError, expand_layers_traced
 from .capture import TorchStep, capture_step, loss_divisor_of
-from .optim import optimizer_structure
+from .optim import optimizer_spec, optimizer_structure
 
 __all__ = ["MIN_LAYERS_TO_EXPAND", "RepeatedLayers", "capture_repeated", "capture_repeated_step", "find_repeated_layers"]
 
@@ -147,8 +147,14 @@ def _cut_optimizer(optimizer: Any, model: torch.nn.Module) -> Any:
         if not params:
             raise ExpansionError("a parameter group of the optimizer holds only parameters of later layers")
         groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": params})
+    # the whole optimizer passes the capture's checks first (its step hooks, say, which a cut copy would not carry
+    # over): a step the whole capture refuses is refused with the same error, never captured without them
+    optimizer_spec(optimizer)
     accepted = inspect.signature(type(optimizer)).parameters
-    cut = type(optimizer)(groups, **{key: value for key, value in optimizer.defaults.items() if key in accepted})
+    try:
+        cut = type(optimizer)(groups, **{key: value for key, value in optimizer.defaults.items() if key in accepted})
+    except Exception as err:  # a class whose constructor wants more than its groups and defaults
+        raise ExpansionError(f"{type(optimizer).__name__} cannot be rebuilt from its groups and defaults ({err})") from err
     for param, state in optimizer.state.items():
         if id(param) in kept:
             cut.state[param] = state
