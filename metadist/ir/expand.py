@@ -37,7 +37,7 @@ from typing import Callable
 
 from .graph import STATE_ROLES, Arg, Graph, GraphInput, GraphOutput, IRError, Node, Role, Value, ValueRef
 
-__all__ = ["CAPTURED_LAYERS", "ExpansionError", "canonical_names", "expand_layers", "expand_layers_traced", "op_base_name"]
+__all__ = ["CAPTURED_LAYERS", "ExpansionError", "canonical_names", "LayerNames", "expand_layers", "expand_layers_traced", "op_base_name"]
 
 CAPTURED_LAYERS = 4
 """Layers a step is captured with before expansion: the first, two middle ones, and the last.
@@ -139,8 +139,9 @@ class _Sweep:
         return self.runs[label if self.ascending else LAST - label]
 
 
-class _Layers:
-    """Reads and rewrites layer indices in names under one module path ``prefix``."""
+class LayerNames:
+    """Reads and rewrites layer indices in names under one module path ``prefix`` (graph inputs, outputs' sources,
+    ``grad:`` names, parameter names)."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -160,7 +161,7 @@ class _Layers:
         return f"{marker}{self.prefix}{layer}{rest[len(head):]}"
 
 
-def _labels(graph: Graph, layers: _Layers) -> list[int | None]:
+def _labels(graph: Graph, layers: LayerNames) -> list[int | None]:
     layer_of = {gi.value.name: layers.of(gi.value.name) for gi in graph.inputs if gi.role in STATE_ROLES}
     labels: list[int | None] = []
     label: int | None = None
@@ -200,7 +201,7 @@ def _sweeps(labels: list[int | None]) -> list[_Sweep]:
 class _Expansion:
     """The expanded nodes, inputs and outputs of one graph (see the module docstring)."""
 
-    def __init__(self, graph: Graph, layers: _Layers, count: int) -> None:
+    def __init__(self, graph: Graph, layers: LayerNames, count: int) -> None:
         self.graph, self.layers, self.count = graph, layers, count
         labels = _labels(graph, layers)
         self.sweeps = _sweeps(labels)
@@ -444,7 +445,7 @@ def expand_layers_traced(graph: Graph, prefix: str, layers: int,
     A frontend carries what it knows of the captured values (their tensors, their layouts) over to the
     expansion with it (:func:`metadist.frontends.torch.repeat.capture_repeated_step`).
     """
-    layers_of = _Layers(prefix)
+    layers_of = LayerNames(prefix)
     found = sorted({layer for gi in graph.inputs if (layer := layers_of.of(gi.value.name)) is not None})
     if found != list(range(CAPTURED_LAYERS)):
         raise ExpansionError(f"the graph's inputs under {prefix!r} belong to layers {found}, not the {CAPTURED_LAYERS} captured ones")

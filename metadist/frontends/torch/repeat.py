@@ -33,7 +33,7 @@ import torch
 
 from ...gc_pause import gc_paused
 from ...ir import Graph, Role
-from ...ir.expand import CAPTURED_LAYERS, LAST, ExpansionError, expand_layers_traced
+from ...ir.expand import CAPTURED_LAYERS, LAST, ExpansionError, LayerNames, expand_layers_traced
 from .capture import TorchStep, capture_step, loss_divisor_of
 from .optim import optimizer_spec, optimizer_structure
 
@@ -218,25 +218,7 @@ def capture_repeated_step(train_step: Callable, model: torch.nn.Module, optimize
     return dataclasses.replace(step, capture_seconds=elapsed)
 
 
-class _LayerNames:
-    """Layer indices in parameter and input names under one module path (as :mod:`metadist.ir.expand` reads them)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-
-    def of(self, name: str) -> int | None:
-        if not name.startswith(self.prefix):
-            return None
-        head = name[len(self.prefix):].split(".", 1)[0].split(":", 1)[0]
-        return int(head) if head.isdigit() else None
-
-    def moved(self, name: str, layer: int) -> str:
-        rest = name[len(self.prefix):]
-        head = rest.split(".", 1)[0].split(":", 1)[0]
-        return f"{self.prefix}{layer}{rest[len(head):]}"
-
-
-def _captured_name(name: str, layer_names: _LayerNames, count: int) -> str:
+def _captured_name(name: str, layer_names: LayerNames, count: int) -> str:
     """The captured input or parameter that ``name`` of the ``count``-layer step is a copy of."""
     layer = layer_names.of(name)
     if layer is None:
@@ -246,15 +228,16 @@ def _captured_name(name: str, layer_names: _LayerNames, count: int) -> str:
 
 
 def _expand_step(captured: TorchStep, layers: RepeatedLayers, count: int, model: torch.nn.Module, optimizer: Any,
-                 check: bool = False) -> Any:
+                 check: bool = False) -> TorchStep | Graph:
     """The step of ``count`` layers from ``captured`` (of :data:`CAPTURED_LAYERS`).
 
     ``check=True`` (``count`` being the captured layers): verifies that what the expansion carries over gives back
-    the capture's own slots, constants, layouts and left gradients, raising :class:`ExpansionError` where not, and
-    returns the expanded graph for the caller to compare with the capture's.
+    the capture's own slots, constants and layouts, raising :class:`ExpansionError` where not, and returns the
+    expanded graph for the caller to compare with the capture's. (The parameters whose gradient the step leaves
+    behind are mapped by name, layer 1's standing for every middle layer's; a run refuses a step that leaves any.)
     """
     graph, origin = expand_layers_traced(captured.graph, layers.prefix, count)
-    names = _LayerNames(layers.prefix)
+    names = LayerNames(layers.prefix)
     slot_of = {slot.name: slot for slot in captured.slots}
     slots, constants = [], {}
     for graph_input in graph.inputs:
@@ -267,25 +250,23 @@ def _expand_step(captured: TorchStep, layers: RepeatedLayers, count: int, model:
         source = slot_of.get(_captured_name(name, names, count))
         if source is None:
             raise ExpansionError(f"input {name} of the expansion has no captured counterpart")
-        key_layer = names.of(source.key)
-        key = source.key if key_layer is None else names.moved(source.key, names.of(name))
+        layer = names.of(name)
+        key = source.key if layer is None or names.of(source.key) is None else names.moved(source.key, layer)
         slots.append(dataclasses.replace(source, name=name, key=key))
     contiguous = frozenset(name for name, source in origin.items() if source in captured.contiguous_values)
     contiguous |= captured.contiguous_values & {gi.value.name for gi in graph.inputs}
-    full_params = [name for name, _ in model.named_parameters()] if not check else None
     if check:
-        _check_carried(captured, graph, slots, constants, contiguous, origin)
+        _check_carried(captured, slots, constants, contiguous)
         return graph
     left = set(captured.left_grads)
-    left_grads = tuple(name for name in full_params if _captured_name(name, names, count) in left)
+    left_grads = tuple(name for name, _ in model.named_parameters() if _captured_name(name, names, count) in left)
     return dataclasses.replace(
         captured, graph=graph, graph_module=None, slots=tuple(slots), constants=constants, contiguous_values=contiguous,
         left_grads=left_grads, optimizer_structure=optimizer_structure(optimizer), loss_divisor=loss_divisor_of(graph),
     )
 
 
-def _check_carried(captured: TorchStep, graph: Graph, slots: list, constants: dict, contiguous: frozenset,
-                   origin: dict[str, str]) -> None:
+def _check_carried(captured: TorchStep, slots: list, constants: dict, contiguous: frozenset) -> None:
     """The capture's own slots, constants and layouts, written from layers 0, 1 and 3, equal what was captured."""
     if tuple(slots) != captured.slots:
         raise ExpansionError("the graph inputs' slots written from layer 1 differ from the captured ones")
