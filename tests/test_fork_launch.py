@@ -75,3 +75,24 @@ def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):
     assert not fork_is_safe()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert fork_is_safe()
+
+
+def test_a_failing_fork_waits_for_its_peers_errors_and_no_longer(tmp_path, monkeypatch):
+    """The launcher stops every rank once one exits: a failing forked rank first gives the others time to record
+    theirs (the block then names the lowest rank failing that way), up to its grace, and not longer."""
+    import time
+
+    from metadist.runtime.launch import _wait_for_peer_errors
+
+    for rank in (0, 1):
+        (tmp_path / str(rank)).mkdir()
+    mine = tmp_path / "1" / "error.json"
+    mine.write_text("{}")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    started = time.monotonic()
+    _wait_for_peer_errors(str(mine), timeout_s=0.3)
+    assert time.monotonic() - started >= 0.3  # rank 0 recorded nothing: the whole grace
+    (tmp_path / "0" / "error.json").write_text("{}")
+    started = time.monotonic()
+    _wait_for_peer_errors(str(mine), timeout_s=5.0)
+    assert time.monotonic() - started < 1.0  # every rank recorded its error: no waiting

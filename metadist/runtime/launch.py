@@ -221,14 +221,29 @@ def _forked_rank(module: str, *args: str) -> None:
     # success by returning (multiprocessing ends the fork with os._exit after, skipping C++ teardown all the same)
     code = importlib.import_module(module).main(list(args))
     if code:
-        time.sleep(FORKED_FAILURE_GRACE_S)
+        _wait_for_peer_errors(os.environ.get("TORCHELASTIC_ERROR_FILE"), FORKED_FAILURE_GRACE_S)
         sys.exit(code)
 
 
-FORKED_FAILURE_GRACE_S = 1.0
-"""How long a failing forked rank waits before it exits. A spawned rank's Python teardown takes about this long, which
-gives the other ranks time to record their own errors (the same error, which rank 0 broadcast to them, or what its
-failure did to them) before the launcher stops them; a fork leaves at once, through ``os._exit``."""
+FORKED_FAILURE_GRACE_S = 3.0
+"""How long a failing forked rank waits, at most, for the other ranks to record errors of their own before it exits
+(:func:`_wait_for_peer_errors`). The launcher stops every rank when the first one exits; ranks failing the same way
+(the same error in the same code, or an error rank 0 broadcast to them) record theirs within this time even on a busy
+machine, so the block names the lowest of them. A spawned rank's slower exit gave the others about a second."""
+
+
+def _wait_for_peer_errors(error_file: str | None, timeout_s: float) -> None:
+    """Until every rank of this host has an error file beside ``error_file`` (``.../attempt_N/<local rank>/error.json``,
+    torchelastic's), or ``timeout_s`` passes."""
+    if not error_file:
+        return
+    attempt = Path(error_file).parent.parent
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all((attempt / str(rank) / "error.json").exists() for rank in range(local)):
+            return
+        time.sleep(0.05)
 
 
 def _recorded_failures(run_folder: Path, nproc: int) -> dict[int, int]:
