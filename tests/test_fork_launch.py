@@ -27,7 +27,8 @@ def workload():
         "threads": torch.get_num_threads(),
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-        "launcher_log_handlers": [type(h).__name__ for h in logging.getLogger("torch.distributed").handlers
+        "launcher_log_handlers": [type(h).__name__ for name in ("torch.distributed", "torch.multiprocessing")
+                                  for h in logging.getLogger(name).handlers
                                   if getattr(h, "baseFilename", "").endswith("launcher.log")],
         "local_rank": os.environ["LOCAL_RANK"],
         "main": getattr(sys.modules["__main__"], "__file__", ""),
@@ -61,6 +62,31 @@ def test_forked_ranks_start_as_spawned_ones_would_and_pass_the_check(tmp_path):
         assert seen["sigterm_default"] and seen["sigint_default"], seen  # not torchelastic's launcher handlers
         assert seen["launcher_log_handlers"] == [], seen  # the launcher's log file stays the launcher's
         assert seen["local_rank"] == str(rank)
+
+
+FAILING_MODEL = '''
+import torch
+
+def workload():
+    raise ValueError("this model file is broken on every rank")
+'''
+
+
+@pytest.mark.distributed
+def test_ranks_failing_alike_are_told_as_one_block_naming_rank_0(tmp_path):
+    """Both forked ranks fail the same way: the block names rank 0 and says rank 1 failed alike (the failing rank waits
+    for its peers' error files before it exits), and torch's "Terminating process" warning stays in the launcher's
+    log, off the terminal."""
+    model = tmp_path / "model_file.py"
+    model.write_text(FAILING_MODEL)
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(model), "--nproc", "2", "--steps", "1",
+                             "--timeout-s", "60", "--log-dir", str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    assert result.stderr.startswith("metadist run: rank 0 failed during load"), result.stderr
+    assert "this model file is broken on every rank" in result.stderr
+    assert "rank 1 (the same error" in result.stderr, result.stderr
+    assert "Terminating process" not in result.stdout + result.stderr
 
 
 def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):

@@ -210,9 +210,9 @@ def _forked_rank(module: str, *args: str) -> None:
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if _SAVED_TORCH_LOGGING:
-        logger = logging.getLogger("torch.distributed")
-        logger.handlers, logger.propagate, logger.level = _SAVED_TORCH_LOGGING[-1]
+    for name, saved in (_SAVED_TORCH_LOGGING[-1] if _SAVED_TORCH_LOGGING else {}).items():
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate, logger.level = saved
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
@@ -309,28 +309,36 @@ def _rank_failure(run_folder: Path, rank: int, exitcode: int) -> RankFailure:
 
 @contextlib.contextmanager
 def _launcher_log(path: Path) -> Iterator[None]:
-    """torch.distributed's log records (the elastic agent's) go to ``path`` during the launch, not to the terminal.
+    """torch.distributed's log records (the elastic agent's) and torch.multiprocessing's (a forked group's: "Terminating
+    process ... via signal SIGTERM" when a rank fails) go to ``path`` during the launch, not to the terminal.
 
-    torch's logging setup gives the ``torch.distributed`` logger its own stderr handler; it is set
+    torch's logging setup gives the ``torch.distributed`` logger its own stderr handler; each logger's state is set
     aside for the launch and put back after.
     """
-    logger = logging.getLogger("torch.distributed")
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    saved = (list(logger.handlers), logger.propagate, logger.level)
-    logger.handlers = [handler]
-    logger.propagate, logger.level = False, logging.INFO
+    saved = {}
+    for name in _LAUNCHER_LOGGERS:
+        logger = logging.getLogger(name)
+        saved[name] = (list(logger.handlers), logger.propagate, logger.level)
+        logger.handlers = [handler]
+        logger.propagate, logger.level = False, logging.INFO
     _SAVED_TORCH_LOGGING.append(saved)  # what a forked rank puts back (_forked_rank)
     try:
         yield
     finally:
         _SAVED_TORCH_LOGGING.pop()
         handler.close()
-        logger.handlers, logger.propagate, logger.level = saved
+        for name, (handlers, propagate, level) in saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate, logger.level = handlers, propagate, level
 
 
-_SAVED_TORCH_LOGGING: list[tuple] = []
-"""The ``torch.distributed`` logger's state before :func:`_launcher_log` replaced it (innermost last)."""
+_LAUNCHER_LOGGERS = ("torch.distributed", "torch.multiprocessing")
+"""The loggers whose records the launch keeps in its ``launcher.log``."""
+
+_SAVED_TORCH_LOGGING: list[dict[str, tuple]] = []
+"""Each of :data:`_LAUNCHER_LOGGERS`' state before :func:`_launcher_log` replaced it (innermost launch last)."""
 
 
 @contextlib.contextmanager
