@@ -133,17 +133,19 @@ def _same_step(expanded, whole) -> None:
     assert expanded.graph_module is None
 
 
-@pytest.mark.parametrize("keep_grads", [False, True])
-def test_an_expanded_step_is_the_whole_capture_and_runs_as_it(caplog, keep_grads):
-    """What ``metadist run`` captures: a library GPT-2 of 6 layers (its KV cache constants on) on 4 layers, expanded to
-    a step a run executes; both steps run from the same state to the same loss and state."""
+@pytest.mark.parametrize("grads", ["none", "keep", "raw"])
+def test_an_expanded_step_is_the_whole_capture_and_runs_as_it(caplog, grads):
+    """What ``metadist run`` (and, with raw gradients, a pipeline's ranks) captures: a library GPT-2 of 6 layers (its KV
+    cache constants on) on 4 layers, expanded to a step a run executes; both steps run from the same state to the same
+    loss and state."""
     from metadist.frontends.torch.repeat import capture_repeated_step
 
+    options = dict(keep_grads=grads == "keep", raw_grads=grads == "raw")
     model, optimizer, batch = _library_gpt2(layers=6)
     with caplog.at_level(logging.INFO, logger="metadist.frontends.torch.repeat"):
-        expanded = capture_repeated_step(lm_step, model, optimizer, batch, name="gpt2", min_layers=5, keep_grads=keep_grads)
+        expanded = capture_repeated_step(lm_step, model, optimizer, batch, name="gpt2", min_layers=5, **options)
     assert "on 4 of its 6 layers" in caplog.text
-    whole = capture_step(lm_step, model, optimizer, batch, name="gpt2", keep_grads=keep_grads)
+    whole = capture_step(lm_step, model, optimizer, batch, name="gpt2", **options)
     _same_step(expanded, whole)
     twin = copy.deepcopy(model)
     twin_optimizer = torch.optim.SGD(twin.parameters(), lr=1e-3)

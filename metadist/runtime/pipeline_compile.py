@@ -78,7 +78,7 @@ class CompiledPipeline:
 def compile_pipeline(step_fn: Callable, model: Any, optimizer: Any, batch: Any, mesh: Mesh, device_mesh: Any,
                      options: Any, name: str) -> CompiledPipeline:
     """Capture ``step_fn`` on one microbatch, plan the pipeline (rank 0) and lower this rank's stage."""
-    from ..frontends.torch import capture_step
+    from ..frontends.torch.repeat import capture_repeated, capture_repeated_step
     from ..frontends.torch.microbatch import batch_size_of, first_microbatch
     from ..ir.pipeline import PP_AXIS
     from .pipeline import PipelineStep
@@ -102,10 +102,10 @@ def compile_pipeline(step_fn: Callable, model: Any, optimizer: Any, batch: Any, 
     microbatches = options.microbatches or default_microbatches(pp, batch_size_of(batch))
     check_same_structure(model, optimizer)
     broadcast_start_state(model, optimizer, _device_of(device_mesh))  # one starting state: rank 0's
-    torch_step = capture_step(step_fn, model, optimizer, first_microbatch(batch, microbatches), name=name, raw_grads=True)
+    torch_step = capture_repeated_step(step_fn, model, optimizer, first_microbatch(batch, microbatches), name=name, raw_grads=True)
     whole = None
     if any(node.op.is_random for node in torch_step.graph.nodes):
-        whole = capture_step(step_fn, model, optimizer, batch, name=name).graph
+        whole = capture_repeated(step_fn, model, optimizer, batch, name=name)
     memory = None if options.memory_gb is None else options.memory_gb * 1e9
     plan = pipeline_plan(torch_step, mesh, microbatches, cluster=options.cluster, schedule=options.schedule,
                          memory_budget_bytes=memory)

@@ -46,7 +46,7 @@ def refuse_unsupported(config: Any) -> None:
 
 
 def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any = None) -> int:
-    from ..frontends.torch import capture_step
+    from ..frontends.torch.repeat import capture_repeated, capture_repeated_step
     from ..frontends.torch.materialize import has_meta_tensors, materialize
     from ..frontends.torch.microbatch import batch_size_of, first_microbatch
     from ..progress import enter
@@ -72,12 +72,12 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     microbatches = config.microbatches or default_microbatches(pp, global_batch)
     enter("capture")
     microbatch = first_microbatch(workload.batch, microbatches)  # a clear error when the count does not divide it
-    torch_step = capture_step(workload.train_step(), workload.model, optimizer, microbatch, name=workload.name or "step",
-                              raw_grads=True)
+    torch_step = capture_repeated_step(workload.train_step(), workload.model, optimizer, microbatch,
+                                       name=workload.name or "step", raw_grads=True)
     whole = None
     if any(node.op.is_random for node in torch_step.graph.nodes):
-        whole = capture_step(workload.train_step(), workload.model, optimizer, workload.batch,
-                             name=workload.name or "step").graph
+        whole = capture_repeated(workload.train_step(), workload.model, optimizer, workload.batch,
+                                 name=workload.name or "step")
     plan = pipeline_plan(torch_step, config.mesh, microbatches, cluster=config.cluster, schedule=config.schedule,
                          memory_budget_bytes=config.memory_budget_bytes)
     plan_hash = check_same_everywhere(plan.decisions_hash(), "pipeline plan")
