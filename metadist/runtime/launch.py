@@ -200,7 +200,7 @@ def _forked_rank(module: str, *args: str) -> None:
 
     What the fork inherited and a new process would not have is undone first: the launcher's signal handlers
     (torchelastic's, which would turn the agent's SIGTERM into an exception of the rank's own), the launcher's log
-    file on ``torch.distributed``'s logger, and the intra-op thread count (OpenMP read ``OMP_NUM_THREADS`` when
+    file on :data:`_LAUNCHER_LOGGERS`, and the intra-op thread count (OpenMP read ``OMP_NUM_THREADS`` when
     the launcher imported torch, before the launch set it). Returns on success; a failing rank exits non-zero.
     """
     import importlib
