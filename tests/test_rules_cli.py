@@ -145,3 +145,21 @@ def test_discover_then_reuse_then_show_and_verify(tmp_path: Path, db: Path, caps
     assert code == 0
     assert "agree with DTensor" in text and "execution re-check" in text and "per op" in text
     assert "aten.mm.default" in text and "0 failed" in text
+
+
+def test_the_console_command_leaves_quickly_after_its_output_and_exit_handlers(filled_db: Path, tmp_path: Path) -> None:
+    """``metadist`` (console_main) skips only the interpreter's module teardown: the output is whole, ``atexit``
+    handlers run, a failure keeps its status."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, sys; atexit.register(lambda: print('exit handler ran', flush=True)); "
+              "sys.argv = ['metadist', *sys.argv[1:]]; from metadist.cli.main import console_main; console_main(); "
+              "print('not reached')")
+    done = subprocess.run([sys.executable, "-c", script, "rules", "stats", "--db", str(filled_db)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "3" in done.stdout and done.stdout.rstrip().endswith("exit handler ran") and "not reached" not in done.stdout
+    failed = subprocess.run([sys.executable, "-c", script, "rules", "stats", "--db", str(tmp_path)],  # a folder
+                            capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 2 and "is a folder" in failed.stderr and "exit handler ran" in failed.stdout

@@ -128,6 +128,39 @@ def test_check_compares_integers_float64_and_float32_to_the_tolerance():
     assert not compare_runs(reference, [1.0], {"w": base - (1e-5 + 1e-4 * base.abs()) * 2}, {"w": torch.ones(3)}).ok
 
 
+def test_check_fails_a_nan_or_infinity_the_reference_does_not_have():
+    inf, nan = float("inf"), float("nan")
+    want = torch.tensor([1.0, 2.0, inf, -inf, nan, 0.0])
+    tiny_grads = {"w": torch.full((6,), 1e-12)}  # every element's update is noise-level: misses would be excused
+    reference = ReferenceRun((1.0,), {"w": want}, tiny_grads)
+    agreeing = want.clone()
+    agreeing[0] += 1e-6
+    report = compare_runs(reference, [1.0], {"w": agreeing}, tiny_grads)
+    assert report.ok and report.worst().max_abs == pytest.approx(1e-6, rel=0.1)  # NaN and infinities in both: equal
+    for changed, value in ((0, nan), (2, -inf), (2, 1e30), (4, 3.0), (5, inf)):
+        got = want.clone()
+        got[changed] = value
+        report = compare_runs(reference, [1.0], {"w": got}, tiny_grads)
+        assert not report.ok, (changed, value)
+        assert [d.excused for d in report.differences if d.name == "state:w"] == [0]
+    assert not compare_runs(reference, [nan], {"w": want.clone()}, tiny_grads).ok  # a NaN loss
+    assert not compare_runs(reference, [1.0], {"w": want.clone()}, {"w": torch.tensor([1e-12] * 5 + [nan])}).ok
+
+
+def test_the_checks_one_pass_answer_equals_the_element_by_element_one():
+    from metadist.runtime.check import TOLERANCES, _difference, _difference_closely
+
+    generator = torch.Generator().manual_seed(0)
+    want = torch.randn(4096, generator=generator) * torch.logspace(-8, 2, 4096)
+    for scale in (0.0, 1e-7, 1e-5):  # within every bound, then some elements missing theirs
+        got = want + scale * torch.randn(4096, generator=generator)
+        for tolerance in (TOLERANCES["float32"], TOLERANCES["bfloat16"]):
+            fast = _difference("w", got, want, tolerance)
+            close = _difference_closely("w", got, want, tolerance, None, 0.0)
+            assert (fast.max_abs, fast.max_rel, fast.ok) == (close.max_abs, close.max_rel, close.ok)
+    assert not _difference("w", want + 1e-5 * torch.randn(4096, generator=generator), want, TOLERANCES["float32"]).ok
+
+
 def test_the_reference_run_of_the_distributed_runs_own_capture_equals_a_fresh_capture():
     from metadist.frontends.torch import capture_step
     from metadist.runtime.check import reference_run

@@ -8,9 +8,12 @@ print one clear message and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import logging
+import os
 import sys
+from typing import NoReturn
 
 #: Modules that define subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES = (
@@ -71,5 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def console_main() -> NoReturn:
+    """The ``metadist`` command: :func:`main`, then a quick exit on success.
+
+    Python's own teardown of a process that imported torch (thousands of modules and their objects) takes 0.6 to 0.9 s
+    here, after the command's work is done and its files are closed: a tenth of a short ``metadist run``. On success
+    the command leaves through ``os._exit`` once standard output and error are flushed and the ``atexit`` handlers have
+    run (logging's flush among them); a failing status leaves through ``sys.exit`` as usual.
+    """
+    code = main()
+    if code != 0:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()  # what the interpreter's exit would run first; only the module teardown is skipped
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

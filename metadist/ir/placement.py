@@ -7,6 +7,7 @@ placements, one per mesh axis. All are frozen, hashable, print and parse.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Union
@@ -66,9 +67,15 @@ def parse_placement(text: str) -> Placement:
 
 
 def format_sharding(sharding: tuple[Placement, ...]) -> str:
+    return _format_sharding(tuple(sharding))
+
+
+@functools.lru_cache(maxsize=4096)  # a plan of thousands of nodes writes a few dozen distinct shardings
+def _format_sharding(sharding: tuple[Placement, ...]) -> str:
     return "(" + ", ".join(str(placement) for placement in sharding) + ")"
 
 
+@functools.lru_cache(maxsize=4096)  # and reads them back: placements are frozen, so one parse serves every copy
 def parse_sharding(text: str) -> tuple[Placement, ...]:
     body = text.strip()
     if not (body.startswith("(") and body.endswith(")")):
