@@ -9,6 +9,7 @@ failed check raises, so a failed comparison still reports how far off it was.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -96,12 +97,18 @@ def unruled_ops(plan, graph) -> tuple[UnruledOp, ...]:
     return tuple(sorted(found.values(), key=lambda unruled: (-unruled.nodes, unruled.op)))
 
 
+def _largest(values) -> float:
+    """The largest of ``values``, NaN if any is NaN (Python's ``max`` answers by the order they come in)."""
+    values = list(values)
+    return math.nan if any(math.isnan(value) for value in values) else max(values)
+
+
 def check_summary(report) -> CheckSummary:
     """The figures of a :class:`metadist.runtime.check.CheckReport`."""
     worst = report.worst()
     return CheckSummary(
         passed=report.ok, tensors=len(report.differences),
-        max_abs=max(difference.max_abs for difference in report.differences),
-        max_rel=max(difference.max_rel for difference in report.differences),
+        max_abs=_largest(difference.max_abs for difference in report.differences),
+        max_rel=_largest(difference.max_rel for difference in report.differences),
         worst=worst.name, excused=sum(difference.excused for difference in report.differences),
     )
