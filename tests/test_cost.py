@@ -10,10 +10,10 @@ import pytest
 
 from metadist.cost import Cluster, ClusterError, Link, cluster_for, collective_seconds, load_cluster, reshard, resolve_cluster
 from metadist.cost.calibrate import cluster_from_report, fit_link
-from metadist.cost.compute import compute_seconds, node_work
+from metadist.cost.compute import Work, compute_seconds, node_work
 from metadist.cost.memory import liveness
 from metadist.ir import Mesh, Partial, Replicate, Shard, TensorSpec
-from metadist.ir.plan import AxisChoice, strategy_from_choices
+from metadist.ir.plan import AxisChoice, NodeStrategy, strategy_from_choices
 from test_solver_helpers import mlp_step
 
 SPEC = TensorSpec((1024, 1024), "float32")  # 4 MiB
@@ -91,6 +91,41 @@ def test_roofline_compute_of_a_matmul_divides_by_the_split():
     split = compute_seconds(work, specs, outs, strategy_from_choices(rule, (AxisChoice("factor", 0),)), cluster.mesh, cluster.device)
     assert whole == pytest.approx(max(work.flops / cluster.device.peak_flops_per_s, (4096 * 1024 + 1024 * 4096 + 4096 * 4096) * 4 / cluster.device.memory_bandwidth_bytes_per_s))
     assert split < whole / 4
+
+
+def test_compute_is_priced_at_the_rates_of_its_dtype():
+    from metadist.cost.cluster import Device
+
+    device = Device(peak_flops_per_s=1e11, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9,
+                    peak_flops_per_s_by_dtype={"bfloat16": 4e11}, memory_bandwidth_bytes_per_s_by_dtype={"bfloat16": 1e10})
+    mesh = Mesh((1,))
+    replicated = NodeStrategy(choices=(AxisChoice("replicate"),), inputs=((Replicate(),),) * 2, outputs=((Replicate(),),))
+    add = Work(flops=float(1 << 20))
+    for dtype, bandwidth in (("float32", 2e10), ("bfloat16", 1e10), ("float16", 2e10)):  # float16: not listed
+        spec = TensorSpec((1 << 20,), dtype)
+        assert compute_seconds(add, [spec, spec], [spec], replicated, mesh, device) == pytest.approx(3 * spec.nbytes / bandwidth)
+    mm = Work(flops=1e12)
+    for dtype, flops in (("float32", 1e11), ("bfloat16", 4e11)):
+        spec = TensorSpec((4, 4), dtype)
+        assert compute_seconds(mm, [spec, spec], [spec], replicated, mesh, device) == pytest.approx(1e12 / flops)
+    fields = {name: getattr(device, name) for name in device.__dataclass_fields__}
+    as_lists = {**fields, "memory_bandwidth_bytes_per_s_by_dtype": [["bfloat16", 1e10]]}  # as a JSON document has it
+    assert Device(**as_lists) == device
+    with pytest.raises(ClusterError, match="positive"):
+        Device(**{**fields, "memory_bandwidth_bytes_per_s_by_dtype": {"bfloat16": 0.0}})
+    # measured curves: the rate at the node's own size, interpolated over log size, held at the ends
+    curved = Device(**{**fields, "matmul_curves": {"bfloat16": [(1e6, 1e10), (1e8, 3e11)]},
+                       "elementwise_curves": {"float32": [(1e4, 4e10), (1e7, 1e10)]}})
+    assert curved.flops_per_s("bfloat16", 1e5) == 1e10 and curved.flops_per_s("bfloat16", 1e9) == 3e11
+    assert curved.flops_per_s("bfloat16", 1e7) == pytest.approx(1e10 + 0.5 * (3e11 - 1e10))
+    assert curved.flops_per_s("float32", 1e7) == 1e11 and curved.flops_per_s("bfloat16") == 4e11  # no curve; the peak
+    small = TensorSpec((1024,), "float32")  # 12 KiB moved: near the curve's cache-resident end
+    assert compute_seconds(Work(flops=1024.0), [small, small], [small], replicated, mesh, curved) == pytest.approx(
+        3 * small.nbytes / curved.bandwidth_bytes_per_s("float32", 3 * small.nbytes))
+    assert 1e10 < curved.bandwidth_bytes_per_s("float32", 3 * small.nbytes) < 4e10
+    with pytest.raises(ClusterError, match="positive"):
+        Device(**{**fields, "matmul_curves": {"float32": [(1e6, 0.0)]}})
+    assert Cluster.from_dict(json.loads(Cluster(mesh=mesh, device=curved, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),)).to_json())).device == curved
 
 
 def test_liveness_categories_and_peaks():
@@ -171,6 +206,15 @@ def test_calibrate_measures_gloo_on_two_processes():
     assert {m["op"] for m in report["measurements"]} >= {"all_reduce", "all_gather"}
     assert cluster.link(0).bandwidth_bytes_per_s > 0
     json.loads(cluster.to_json())
+    # matmuls and elementwise work measured in each narrow dtype too, as the cluster prices them
+    device = cluster.device
+    for dtype in ("bfloat16", "float16"):
+        assert device.flops_per_s(dtype) == report["device"][f"peak_flops_per_s_{dtype}"] > 0
+        assert device.bandwidth_bytes_per_s(dtype) == report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] > 0
+    assert Cluster.from_dict(json.loads(cluster.to_json())) == cluster
+    for kind in (device.matmul_curves, device.elementwise_curves):  # a curve per dtype, every point measured
+        assert {dtype for dtype, _ in kind} == {"float32", "bfloat16", "float16"}
+        assert all(len(points) >= 1 and all(rate > 0 for _, rate in points) for _, points in kind)
 
 
 # ---------------------------------------------------------------- bucketed collectives

@@ -157,12 +157,30 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     device = Device(
         peak_flops_per_s=report["device"]["peak_flops_per_s"],
         memory_bandwidth_bytes_per_s=report["device"]["memory_bandwidth_bytes_per_s"],
+        peak_flops_per_s_by_dtype=_by_dtype(figures, "peak_flops_per_s_"),
+        memory_bandwidth_bytes_per_s_by_dtype=_by_dtype(figures, "memory_bandwidth_bytes_per_s_"),
+        matmul_curves=_curves(figures, "matmul_curve"), elementwise_curves=_curves(figures, "elementwise_curve"),
         op_overhead_s=runtime_op_overhead(figures),
         eager_op_overhead_s=eager_op_overhead(figures),
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
     )
     return Cluster(mesh=mesh, device=device, axis_links=tuple(links), name=f"calibrated-{report['backend']}")
+
+
+def _by_dtype(figures: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    """The worker's per-dtype figures (``peak_flops_per_s_bfloat16``, ...) as {dtype: figure}."""
+    return {key.removeprefix(prefix): float(value) for key, value in figures.items() if key.startswith(prefix)}
+
+
+def _curves(figures: Mapping[str, Any], kind: str) -> dict[str, list[tuple[float, float]]]:
+    """The worker's ``KIND:DTYPE:SIZE`` figures as {dtype: [(size, rate), ...]}."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for key, value in figures.items():
+        parts = key.split(":")
+        if len(parts) == 3 and parts[0] == kind:
+            curves.setdefault(parts[1], []).append((float(parts[2]), float(value)))
+    return curves
 
 
 def _host_memory_bytes() -> float:
@@ -212,9 +230,10 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
-per-collective costs); a cache of an older version is measured again, not read."""
+per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
+(the cost model's curves). A cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -89,36 +89,105 @@ def _rate(work: float, run, repeats: int) -> float:
     return work / statistics.median(samples)
 
 
+NARROW_DTYPES = (torch.bfloat16, torch.float16)
+"""Floating dtypes measured besides float32 (a mixed-precision policy computes in them)."""
+
+MATMUL_SIZES = (64, 128, 256, 512)
+"""Square matmul widths of the FLOP/s curve: a CPU's bfloat16 kernels run at a quarter of float32's rate at 64 and
+three times it at 512, so one figure cannot price both a tiny model and a large one."""
+
+ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20)
+"""Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte)."""
+
+
 def _roofline(device: torch.device) -> dict[str, float]:
-    """This rank's matmul FLOP/s, elementwise bytes/s and fixed seconds per op (run on every rank at once)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    n = 512
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    """This rank's rates and its fixed seconds per op (run on every rank at once).
 
-    def matmuls() -> None:
-        for _ in range(4):
-            a @ b
-        sync()
-
-    flops = _rate(4 * 2 * n**3, matmuls, 3)
-    x, y = torch.randn(1 << 20, device=device), torch.randn(1 << 20, device=device)
-    out = torch.empty_like(x)
-
-    def adds() -> None:
-        for _ in range(8):
-            torch.add(x, y, out=out)
-        sync()
-
-    bandwidth = _rate(8 * 3 * x.numel() * 4, adds, 3)  # two reads and one write per element
+    For float32 and each of :data:`NARROW_DTYPES`: the FLOP/s of square matmuls at each of :data:`MATMUL_SIZES`
+    (``matmul_curve:DTYPE:FLOPS``, keyed by one matmul's FLOPs) and the bytes/s of an add at each of
+    :data:`ELEMENTWISE_SIZES` (``elementwise_curve:DTYPE:BYTES``), both less the fixed cost of one call (timed on
+    a single element), which ``op_overhead_s`` prices; the largest size's figures are the dtype's peaks
+    (``peak_flops_per_s``, ``memory_bandwidth_bytes_per_s``, with ``_DTYPE`` for the narrow ones).
+    """
+    figures: dict[str, float] = {}
+    for dtype in (torch.float32, *NARROW_DTYPES):
+        name = str(dtype).removeprefix("torch.")
+        suffix = "" if dtype == torch.float32 else f"_{name}"
+        for flops, rate in _matmul_curve(device, dtype):
+            figures[f"matmul_curve:{name}:{flops}"] = figures[f"peak_flops_per_s{suffix}"] = rate
+        for nbytes, rate in _elementwise_curve(device, dtype):
+            figures[f"elementwise_curve:{name}:{nbytes}"] = figures[f"memory_bandwidth_bytes_per_s{suffix}"] = rate
     chain = _tiny_op_chain(400)  # a GraphModule of aten ops, as a captured step's rank program runs them
     tiny = torch.ones(8, device=device)
+    sync = _synchronizer(device)
 
     def tiny_ops() -> None:
         chain(tiny)
         sync()
 
-    overhead = 1.0 / _rate(400, tiny_ops, 5)
-    return {"peak_flops_per_s": flops, "memory_bandwidth_bytes_per_s": bandwidth, "op_overhead_s": overhead}
+    figures["op_overhead_s"] = 1.0 / _rate(400, tiny_ops, 5)
+    return figures
+
+
+def _synchronizer(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _per_call_seconds(call, device: torch.device, budget_s: float = 0.004) -> float:
+    """Median seconds of one ``call()`` over 5 samples, each repeating it to fill about ``budget_s``."""
+    sync = _synchronizer(device)
+    started = time.perf_counter()
+    call()
+    sync()
+    once = max(time.perf_counter() - started, 1e-7)
+    repeats = max(1, min(1000, int(budget_s / once)))
+    samples = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        sync()
+        samples.append((time.perf_counter() - started) / repeats)
+    return statistics.median(samples)
+
+
+def _net_rate(work: float, seconds: float, floor: float) -> float:
+    """``work`` per second of what a call costs beyond the fixed ``floor`` (at least a tenth of the call)."""
+    return work / max(seconds - floor, 0.1 * seconds)
+
+
+def _matmul_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[int, float]]:
+    """(FLOPs of one matmul, FLOP/s) at each of :data:`MATMUL_SIZES`, up to the first that takes over 50 ms (a CPU
+    without float16 kernels runs them at a few GFLOP/s)."""
+    def operands(n: int):
+        return torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+
+    a, b = operands(1)
+    floor = _per_call_seconds(lambda: torch.mm(a, b), device)
+    curve = []
+    for n in MATMUL_SIZES:
+        a, b = operands(n)
+        seconds = _per_call_seconds(lambda: torch.mm(a, b), device)
+        curve.append((2 * n**3, _net_rate(2 * n**3, seconds, floor)))
+        if seconds > 0.05:
+            break
+    return curve
+
+
+def _elementwise_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[int, float]]:
+    """(bytes one add moves, bytes/s) at each of :data:`ELEMENTWISE_SIZES`: two reads and one write per element."""
+    def operands(count: int):
+        x, y = torch.randn(count, device=device).to(dtype), torch.randn(count, device=device).to(dtype)
+        return x, y, torch.empty_like(x)
+
+    x, y, out = operands(1)
+    floor = _per_call_seconds(lambda: torch.add(x, y, out=out), device)
+    curve = []
+    for count in ELEMENTWISE_SIZES:
+        x, y, out = operands(count)
+        nbytes = 3 * count * x.element_size()
+        curve.append((nbytes, _net_rate(nbytes, _per_call_seconds(lambda: torch.add(x, y, out=out), device), floor)))
+    return curve
 
 
 def _tiny_op_chain(length: int) -> torch.nn.Module:

@@ -10,6 +10,7 @@ node on the fast intra-node link and the others on the slow inter-node link).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -64,6 +65,31 @@ class Link:
         return None
 
 
+def _dtype_pairs(pairs: Mapping[str, float] | Any) -> tuple[tuple[str, float], ...]:
+    """(dtype, figure) pairs, sorted, from a mapping or pairs (a JSON document's lists)."""
+    items = pairs.items() if isinstance(pairs, Mapping) else pairs
+    return tuple(sorted((str(name), float(value)) for name, value in items))
+
+
+def _curves(curves: Mapping[str, Any] | Any) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
+    """(dtype, ((size, rate), ...)) pairs, dtypes and sizes sorted, from a mapping or pairs (a JSON document's lists)."""
+    items = curves.items() if isinstance(curves, Mapping) else curves
+    return tuple(sorted((str(name), tuple(sorted((float(size), float(rate)) for size, rate in points)))
+                        for name, points in items))
+
+
+def interpolate_curve(points: tuple[tuple[float, float], ...], size: float) -> float:
+    """The rate at ``size`` on a measured curve of (size, rate) points, sizes ascending: linear in the logarithm of
+    the size between two points, the end point's rate beyond either end."""
+    if size <= points[0][0]:
+        return points[0][1]
+    for (low, low_rate), (high, high_rate) in zip(points, points[1:]):
+        if size <= high:
+            share = math.log(size / low) / math.log(high / low)
+            return low_rate + share * (high_rate - low_rate)
+    return points[-1][1]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator (or CPU process): its roofline and its memory."""
@@ -80,6 +106,19 @@ class Device:
     tensor cores at about twice the TF32 rate); a dtype not listed runs at ``peak_flops_per_s``."""
     unsupported_dtypes: tuple[str, ...] = ()
     """Floating dtypes the device cannot compute in (bfloat16 before NVIDIA Ampere)."""
+    memory_bandwidth_bytes_per_s_by_dtype: tuple[tuple[str, float], ...] = ()
+    """Elementwise bytes/s of other floating dtypes, as (MetaIR dtype, bytes/s) pairs, where they differ from
+    ``memory_bandwidth_bytes_per_s`` (on CPUs, bfloat16 and float16 elementwise kernels widen each element to
+    float32 and back, and move fewer bytes per second: measured by ``metadist calibrate``); a dtype not listed
+    moves ``memory_bandwidth_bytes_per_s``."""
+    matmul_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    """Measured matmul throughput by size, per dtype: (MetaIR dtype, ((FLOPs of one matmul, FLOP/s), ...)), sizes
+    ascending (``metadist calibrate`` on CPUs: a 64-wide bfloat16 matmul runs at a quarter of float32's rate, a
+    512-wide one at three times it). A node is priced at the rate its local FLOPs fall at, interpolated over the
+    logarithm of the size and held at the ends; a dtype without a curve runs at its peak."""
+    elementwise_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    """Measured elementwise bytes/s by the bytes one op moves, per dtype, as ``matmul_curves`` (small operands
+    stay in cache: an add of 64 Ki float32 elements moves bytes several times faster than one of 1 Mi)."""
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
@@ -89,20 +128,54 @@ class Device:
     ``metadist calibrate`` on CPU, 0 (not measured) elsewhere. MetaDist's own plans pay ``op_overhead_s``."""
 
     def __post_init__(self) -> None:
-        pairs = self.peak_flops_per_s_by_dtype
-        pairs = tuple(sorted(pairs.items())) if isinstance(pairs, Mapping) else tuple(sorted((str(k), float(v)) for k, v in pairs))
+        pairs = _dtype_pairs(self.peak_flops_per_s_by_dtype)
+        bandwidths = _dtype_pairs(self.memory_bandwidth_bytes_per_s_by_dtype)
         object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
+        object.__setattr__(self, "memory_bandwidth_bytes_per_s_by_dtype", bandwidths)
         object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
-        figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes, *(v for _, v in pairs))
+        matmul, elementwise = _curves(self.matmul_curves), _curves(self.elementwise_curves)
+        object.__setattr__(self, "matmul_curves", matmul)
+        object.__setattr__(self, "elementwise_curves", elementwise)
+        object.__setattr__(self, "_rates", {})  # (curve kind, dtype, size) -> rate: compute_seconds asks often
+        figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes,
+                   *(v for _, v in pairs), *(v for _, v in bandwidths),
+                   *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0:
             raise ClusterError(f"device figures must be positive (op overhead >= 0), got {self}")
 
-    def flops_per_s(self, dtype: str) -> float:
-        """Peak FLOP/s of work in ``dtype`` (a MetaIR dtype name)."""
+    def flops_per_s(self, dtype: str, flops: float | None = None) -> float:
+        """FLOP/s of work in ``dtype`` (a MetaIR dtype name): at ``flops`` on the dtype's measured curve, if it has
+        one and ``flops`` is given, else its peak."""
+        if flops is not None and self.matmul_curves:
+            rate = self._on_curve("matmul", self.matmul_curves, dtype, flops)
+            if rate is not None:
+                return rate
         for name, flops in self.peak_flops_per_s_by_dtype:
             if name == dtype:
                 return flops
         return self.peak_flops_per_s
+
+    def bandwidth_bytes_per_s(self, dtype: str, nbytes: float | None = None) -> float:
+        """Elementwise bytes/s of work in ``dtype`` (a MetaIR dtype name): at ``nbytes`` on the dtype's measured
+        curve, if it has one and ``nbytes`` is given, else its peak."""
+        if nbytes is not None and self.elementwise_curves:
+            rate = self._on_curve("elementwise", self.elementwise_curves, dtype, nbytes)
+            if rate is not None:
+                return rate
+        for name, rate in self.memory_bandwidth_bytes_per_s_by_dtype:
+            if name == dtype:
+                return rate
+        return self.memory_bandwidth_bytes_per_s
+
+    def _on_curve(self, kind: str, curves, dtype: str, size: float) -> float | None:
+        key = (kind, dtype, size)
+        rate = self._rates.get(key)
+        if rate is None:
+            points = next((points for name, points in curves if name == dtype), None)
+            if points is None:
+                return None
+            rate = self._rates[key] = interpolate_curve(points, size)
+        return rate
 
     def supports(self, dtype: str) -> bool:
         return dtype not in self.unsupported_dtypes

@@ -4,9 +4,12 @@ FLOPs are estimated per op family from the node's global shapes (matmuls, convol
 attention); everything else is priced by the bytes it reads and writes. The local work of a
 strategy divides the FLOPs by the number of devices the iteration space is split over (the
 axes that take a factor), and counts the bytes of the local shards the strategy reads and
-writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``, the peak being the
-device's for the node's **compute dtype** (its first floating input's, else its first output's): bfloat16 and
-float16 matmuls run at about twice the float32 (TF32) rate on GPUs, and their bytes are half.
+writes. Time is ``max(flops / peak_flops_per_s, bytes / memory_bandwidth_bytes_per_s)``, the peak and the bandwidth
+being the device's for the node's **compute dtype** (its first floating input's, else its first output's): bfloat16
+and float16 matmuls run at about twice the float32 (TF32) rate on GPUs, and their bytes are half; on a CPU their
+kernels run at other rates again. A calibrated device also prices by size (``Device.matmul_curves``,
+``Device.elementwise_curves``: measured per dtype by ``metadist calibrate``): a node's rates are the ones measured
+at its local FLOPs and bytes.
 View ops alias their input and cost no work. Every node, views included, also pays the device's fixed
 ``op_overhead_s`` (dispatch: a few microseconds per op on a CPU process; 0 on the GPU presets).
 
@@ -164,7 +167,8 @@ def compute_seconds(
         for spec, sharding in zip(output_specs, strategy.outputs)
         if spec is not None and sharding is not None
     )
-    roofline = max(flops / device.flops_per_s(compute_dtype(input_specs, output_specs)), memory_bytes / device.memory_bandwidth_bytes_per_s)
+    dtype = compute_dtype(input_specs, output_specs)
+    roofline = max(flops / device.flops_per_s(dtype, flops), memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     return device.op_overhead_s + roofline
 
 
