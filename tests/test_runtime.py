@@ -221,3 +221,25 @@ def test_worker_without_torchrun_says_how_to_launch():
                             timeout=120, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert result.returncode == 2
     assert "not started by torchrun" in result.stderr
+
+
+def test_a_run_says_why_the_solvers_plan_replicates_the_whole_step(capsys):
+    from dataclasses import replace
+
+    from metadist.ir import Mesh
+    from metadist.lowering.plans import replicate_plan
+    from metadist.lowering.program import lower
+    from metadist.runtime.report import Reporter
+    from test_solver_helpers import mlp_step
+
+    graph, _ = mlp_step(8, 16, 32)
+    solved = {"solver": {"kind": "solver"}, "estimate": {"step_s": 0.0269, "cluster": "calibrated-gloo"}}
+    replicated = replicate_plan(graph, Mesh((2, 2)), "0.1.0")
+    one_device = replace(replicate_plan(graph, Mesh((1,)), "0.1.0"), **solved)
+    for plan, said in ((replace(replicated, **solved), True), (replicated, False), (one_device, False)):
+        program = lower(graph, plan, (0,) * len(plan.mesh.shape))
+        Reporter(enabled=True).plan(plan, "h", program)
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("runs the whole step on every rank" in out) is said, out
+        if said:
+            assert "'calibrated-gloo'" in out and "26.9 ms a step" in out and "--plan dp" in out

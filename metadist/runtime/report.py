@@ -49,6 +49,12 @@ class Reporter:
                                "their backward (chosen by the solver to fit the memory budget)")
         self.console.print(f"rank program: {len(program.instructions)} instructions, {len(program.reshards())} reshards, "
                            f"{calls} collective calls per step ({buckets} coalesced)")
+        if plan.solver.get("kind", "solver") == "solver" and plan.mesh.size > 1 and not calls and kinds.keys() <= {"replicate"}:
+            step_s = plan.estimate.get("step_s")
+            self.note(f"the solver's plan runs the whole step on every rank, with no collectives: on cluster "
+                      f"{plan.estimate.get('cluster', '?')!r} it predicts that splitting a step this small costs more in "
+                      "collectives than it saves" + (f" ({step_s * 1e3:.1f} ms a step this way)" if step_s else "")
+                      + "; --plan dp runs data parallelism instead, --cluster FILE plans for another machine")
         self.unruled(plan)
 
     def unruled(self, plan: Plan) -> None:
