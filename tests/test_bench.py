@@ -201,3 +201,26 @@ def test_never_lose_names_the_measured_per_node_costs_when_the_calibration_has_t
     (line,) = never_lose_lines([replace(run, methods=methods)])
     assert "the captured step's 1000 nodes cost 20 us each in MetaDist's runtime against 8 us eagerly" in line
     assert "x2.5 per node, 12.0 ms a step" in line and "predicted x2.00 of ddp, measured x2.00" in line
+
+
+def test_wholerun_bench_reports_each_part_and_the_trees_side_by_side():
+    from io import StringIO
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from metadist.bench.wholerun_bench import WholeRun, report
+
+    trees = [Path("/x/main"), Path("/x/branch")]
+    runs = [WholeRun(str(trees[0]), 24.0, 2.0, {"load": 3.0, "capture": 2.0}, 1.0),
+            WholeRun(str(trees[1]), 18.0, 2.0, {"load": 3.0, "capture": 1.0}, 1.0),
+            WholeRun(str(trees[0]), 26.0, 2.5, {"load": 3.5, "capture": 2.0}, 1.0),
+            WholeRun(str(trees[1]), 21.0, 2.0, {"load": 3.0, "capture": 1.0, "solve": 0.5}, 1.0)]
+    out = StringIO()
+    report(runs, trees, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "│ wall  " in text and "25.00" in text and "19.50" in text  # medians of each tree's walls
+    assert "│ solve " in text and "0.25" in text  # a phase one run lacks counts as 0 s there
+    assert "│ rest  " in text and "17.50" in text and "13.25" in text  # wall - before the ranks - phases: 17, 18 and 12, 14.5
+    assert "/x/main: walls 24.0, 26.0 s; median 25.0 s (x1.00 of the first tree); 0 of 2 at most 20 s" in text
+    assert "/x/branch: walls 18.0, 21.0 s; median 19.5 s (x0.78 of the first tree); 1 of 2 at most 20 s" in text
