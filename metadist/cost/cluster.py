@@ -117,8 +117,8 @@ class Device:
     512-wide one at three times it). A node is priced at the rate its local FLOPs fall at, interpolated over the
     logarithm of the size and held at the ends; a dtype without a curve runs at its peak."""
     elementwise_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
-    """Measured elementwise bytes/s by the bytes one op moves, per dtype, as ``matmul_curves`` (small operands
-    stay in cache: an add of 64 Ki float32 elements moves bytes several times faster than one of 1 Mi)."""
+    """Measured elementwise bytes/s by the bytes one op moves, per dtype, as ``matmul_curves``, capped at the
+    largest size's rate (see :meth:`bandwidth_bytes_per_s`)."""
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
@@ -157,11 +157,18 @@ class Device:
 
     def bandwidth_bytes_per_s(self, dtype: str, nbytes: float | None = None) -> float:
         """Elementwise bytes/s of work in ``dtype`` (a MetaIR dtype name): at ``nbytes`` on the dtype's measured
-        curve, if it has one and ``nbytes`` is given, else its peak."""
+        curve, if it has one and ``nbytes`` is given, but never above the curve's largest size's rate; else its peak.
+
+        The calibration repeats one add on the same buffers, which a small add finds in cache (on this machine a
+        float32 add of 64 Ki elements moved 56 GB/s, one of 1 Mi 21 GB/s); a step's ops mostly read what other ops
+        wrote earlier. Priced at the cache's rates, a step came out faster than measured (torch DDP's predictions
+        in `make bench` moved from 9 of 28 within 25 % to 4), so a small op pays the streaming rate, or the
+        lower rate its size was measured at (bfloat16's small adds are slower per byte)."""
         if nbytes is not None and self.elementwise_curves:
             rate = self._on_curve("elementwise", self.elementwise_curves, dtype, nbytes)
             if rate is not None:
-                return rate
+                streaming = next(points for name, points in self.elementwise_curves if name == dtype)[-1][1]
+                return min(rate, streaming)
         for name, rate in self.memory_bandwidth_bytes_per_s_by_dtype:
             if name == dtype:
                 return rate
