@@ -78,7 +78,7 @@ def console_main() -> NoReturn:
     """The ``metadist`` command: :func:`main`, then a quick exit on success.
 
     Python's own teardown of a process that imported torch (thousands of modules and their objects) takes 0.6 to 0.9 s
-    here, after the command's work is done and its files are closed: a tenth of a short ``metadist run``. On success
+    here, after the command's work is done and its files are closed (a short ``metadist run`` takes 20-30 s). On success
     the command leaves through ``os._exit`` once standard output and error are flushed and the ``atexit`` handlers have
     run (logging's flush among them); a failing status leaves through ``sys.exit`` as usual.
     """

@@ -134,7 +134,7 @@ def broadcast_text(text: str) -> str:
     dist.broadcast(length, src=0)
     buffer = payload.to(device) if dist.get_rank() == 0 else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src=0)
-    return buffer.cpu().numpy().tobytes().decode()  # (tolist: a Python int per byte, a second per MB)
+    return buffer.cpu().numpy().tobytes().decode()  # not tolist(): a Python int per byte
 
 
 def plan_decisions(plan: Plan) -> str:
