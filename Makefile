@@ -20,7 +20,6 @@ setup: $(STAMP)
 
 # The main job: capture gpt2-tiny's step; then plan a 12-layer, 768-wide GPT-2 (85M parameters) and train it on
 # 2 local CPU processes (gloo), checking loss, gradients, parameters and optimizer state against one device.
-# (On a 2-core machine gpt2-tiny's step runs fastest whole on every rank; the solver plans that, and says so.)
 demo: $(STAMP)
 	$(BIN)/metadist capture gpt2-tiny --top 10
 	OMP_NUM_THREADS=1 $(BIN)/metadist run examples/gpt_85m.py --nproc 2 --steps 2 --check
