@@ -129,7 +129,7 @@ def test_check_compares_integers_float64_and_float32_to_the_tolerance():
     assert not compare_runs(reference, [1.0], {"w": base - (1e-5 + 1e-4 * base.abs()) * 2}, {"w": torch.ones(3)}).ok
 
 
-def test_check_fails_a_nan_or_infinity_the_reference_does_not_have():
+def test_check_fails_a_nan_or_infinity_the_reference_does_not_have(capsys):
     inf, nan = float("inf"), float("nan")
     want = torch.tensor([1.0, 2.0, inf, -inf, nan, 0.0])
     tiny_grads = {"w": torch.full((6,), 1e-12)}  # every element's update is noise-level: misses would be excused
@@ -148,6 +148,12 @@ def test_check_fails_a_nan_or_infinity_the_reference_does_not_have():
 
     nan_loss = compare_runs(reference, [nan], {"w": want.clone()}, tiny_grads)
     assert not nan_loss.ok and math.isnan(check_summary(nan_loss).max_abs)  # whatever order the tensors come in
+    from metadist.runtime.report import Reporter
+
+    capsys.readouterr()
+    Reporter(enabled=True).check(nan_loss)
+    loss_row = next(line for line in capsys.readouterr().out.splitlines() if "loss" in line)
+    assert "nan" in loss_row  # the check's table shows it too
     assert not compare_runs(reference, [1.0], {"w": want.clone()}, {"w": torch.tensor([1e-12] * 5 + [nan])}).ok
 
 

@@ -141,14 +141,13 @@ def _per_call_seconds(call, device: torch.device, budget_s: float = 0.004) -> fl
     sync()
     once = max(time.perf_counter() - started, 1e-7)
     repeats = max(1, min(1000, int(budget_s / once)))
-    samples = []
-    for _ in range(5):
-        started = time.perf_counter()
+
+    def calls() -> None:
         for _ in range(repeats):
             call()
         sync()
-        samples.append((time.perf_counter() - started) / repeats)
-    return statistics.median(samples)
+
+    return _median_seconds(calls, 5) / repeats
 
 
 def _net_rate(work: float, seconds: float, floor: float) -> float:

@@ -150,9 +150,9 @@ class Device:
             rate = self._on_curve("matmul", self.matmul_curves, dtype, flops)
             if rate is not None:
                 return rate
-        for name, flops in self.peak_flops_per_s_by_dtype:
+        for name, peak in self.peak_flops_per_s_by_dtype:
             if name == dtype:
-                return flops
+                return peak
         return self.peak_flops_per_s
 
     def bandwidth_bytes_per_s(self, dtype: str, nbytes: float | None = None) -> float:
@@ -165,23 +165,25 @@ class Device:
         in `make bench` moved from 9 of 28 within 25 % to 4), so a small op pays the streaming rate, or the
         lower rate its size was measured at (bfloat16's small adds are slower per byte)."""
         if nbytes is not None and self.elementwise_curves:
-            rate = self._on_curve("elementwise", self.elementwise_curves, dtype, nbytes)
+            rate = self._on_curve("elementwise", self.elementwise_curves, dtype, nbytes, capped=True)
             if rate is not None:
-                streaming = next(points for name, points in self.elementwise_curves if name == dtype)[-1][1]
-                return min(rate, streaming)
+                return rate
         for name, rate in self.memory_bandwidth_bytes_per_s_by_dtype:
             if name == dtype:
                 return rate
         return self.memory_bandwidth_bytes_per_s
 
-    def _on_curve(self, kind: str, curves, dtype: str, size: float) -> float | None:
+    def _on_curve(self, kind: str, curves, dtype: str, size: float, capped: bool = False) -> float | None:
+        """The rate at ``size`` on ``dtype``'s curve of ``curves`` (None without one), ``capped`` at its largest
+        size's rate; remembered, as the solver asks for the same few sizes many times."""
         key = (kind, dtype, size)
         rate = self._rates.get(key)
         if rate is None:
             points = next((points for name, points in curves if name == dtype), None)
             if points is None:
                 return None
-            rate = self._rates[key] = interpolate_curve(points, size)
+            rate = interpolate_curve(points, size)
+            self._rates[key] = rate = min(rate, points[-1][1]) if capped else rate
         return rate
 
     def supports(self, dtype: str) -> bool:

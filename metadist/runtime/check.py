@@ -332,8 +332,8 @@ def _difference(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: Tol
     within a factor of two of each other (Sterbenz) and otherwise off by half an ulp of itself, far below any
     tolerance here; so the check costs a few passes over each tensor, not a float64 copy of every one (the 85M
     GPT's check took 14 s that way, 1 s this way). The common case, every element finite and within its bound, is
-    decided in one pass from the largest ``|got - want| - rtol * |want|``; anything else is looked at element by
-    element (:func:`_difference_closely`).
+    decided by one reduction, the largest ``|got - want| - rtol * |want|``, without a boolean mask per element;
+    anything else is looked at element by element (:func:`_difference_closely`).
 
     A NaN or infinity is a miss unless both runs hold it at that element (NaN where the reference has NaN, the same
     infinity): the distributed run then agrees with the single device, and the element is left out of the largest

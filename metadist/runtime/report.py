@@ -13,6 +13,7 @@ from ..ir import format_sharding
 from ..ir.plan import Plan
 from ..lowering import CoalescedReshard, RankProgram
 from .check import describe_tolerance
+from .summary import largest
 
 __all__ = ["Reporter"]
 
@@ -114,7 +115,7 @@ class Reporter:
         for d in report.differences:
             kind = d.name.split(":")[0].split("[")[0]
             old = by_kind.get(kind, (0.0, 0.0))
-            by_kind[kind] = (max(old[0], d.max_abs), max(old[1], d.max_rel))
+            by_kind[kind] = (largest((old[0], d.max_abs)), largest((old[1], d.max_rel)))  # a NaN shows
         table = Table(title=f"check against one device ({describe_tolerance(report.tolerance)})")
         for column in ("what", "max abs diff", "max rel diff"):
             table.add_column(column)

@@ -97,7 +97,7 @@ def unruled_ops(plan, graph) -> tuple[UnruledOp, ...]:
     return tuple(sorted(found.values(), key=lambda unruled: (-unruled.nodes, unruled.op)))
 
 
-def _largest(values) -> float:
+def largest(values) -> float:
     """The largest of ``values``, NaN if any is NaN (Python's ``max`` answers by the order they come in)."""
     values = list(values)
     return math.nan if any(math.isnan(value) for value in values) else max(values)
@@ -108,7 +108,7 @@ def check_summary(report) -> CheckSummary:
     worst = report.worst()
     return CheckSummary(
         passed=report.ok, tensors=len(report.differences),
-        max_abs=_largest(difference.max_abs for difference in report.differences),
-        max_rel=_largest(difference.max_rel for difference in report.differences),
+        max_abs=largest(difference.max_abs for difference in report.differences),
+        max_rel=largest(difference.max_rel for difference in report.differences),
         worst=worst.name, excused=sum(difference.excused for difference in report.differences),
     )
