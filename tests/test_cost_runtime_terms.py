@@ -103,6 +103,42 @@ def test_torch_ddp_is_priced_as_eager_compute_and_one_all_reduce_per_bucket():
     assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=grads / 3)["collectives_by_kind"] == {"all_reduce": 3}
 
 
+def _with_random_relu(graph):
+    """``graph`` with its first relu tagged random: a stand-in for dropout's mask (elementwise, batch-sharded)."""
+    nodes = tuple(replace(node, op=replace(node.op, tags=frozenset({"random"}))) if node.name == "relu_1" else node
+                  for node in graph.nodes)
+    return replace(graph, nodes=nodes)
+
+
+def test_a_random_op_costs_its_whole_draw_in_metadist_and_its_share_in_torch_ddp():
+    from metadist.cost import compute_seconds, node_work
+    from metadist.solver.baselines import eager_random_discount
+
+    plain, rules = mlp_step(4096, 32, 256, layers=1)
+    graph = _with_random_relu(plain)
+    cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=0.0, op_overhead_s=0.0)
+    node = graph.node("relu_1")
+    work = node_work(graph, node)
+    assert work.draws_whole and not node_work(plain, plain.node("relu_1")).draws_whole
+    dp = baseline_plan(graph, rules, cluster, "dp")
+    strategy = dp.node_strategies["relu_1"]
+    assert any(choice.kind == "factor" for choice in strategy.choices)  # the batch is split
+    specs = [graph.value(name).spec for name in node.input_names]
+    outs = [node.outputs[0].spec]
+    whole = compute_seconds(work, specs, outs, strategy, cluster.mesh, cluster.device)
+    share = compute_seconds(replace(work, draws_whole=False), specs, outs, strategy, cluster.mesh, cluster.device)
+    # every rank draws the whole output (its work and the bytes it writes); it reads its own shard of the input
+    dtype_rate = cluster.device.bandwidth_bytes_per_s("float32", specs[0].nbytes / 2 + outs[0].nbytes)
+    assert whole == pytest.approx(max(outs[0].numel / cluster.device.flops_per_s("float32", outs[0].numel),
+                                      (specs[0].nbytes / 2 + outs[0].nbytes) / dtype_rate))
+    assert share < whole
+    # the MetaDist estimate pays the whole draw; torch's DDP draws each rank's share
+    assert eager_random_discount(graph, dp, cluster) == pytest.approx(whole - share)
+    assert eager_random_discount(plain, baseline_plan(plain, rules, cluster, "dp"), cluster) == 0.0
+    priced = torch_ddp_estimate(graph, cluster, dp.estimate, dp_plan=dp)
+    assert priced["compute_s"] == pytest.approx(torch_ddp_estimate(graph, cluster, dp.estimate)["compute_s"] - (whole - share))
+
+
 def test_an_older_calibration_is_measured_again_and_never_shares_a_file(tmp_path):
     path = calibration_path(tmp_path, 2)
     assert "-v" in path.name  # the version is in the file name: an older MetaDist keeps reading its own file

@@ -238,7 +238,8 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
         if kind == "dp":  # torch's DDP is measured: priced as it runs (eager compute, bucketed gradient all-reduces)
             from ..solver.baselines import torch_ddp_estimate
 
-            predictions[name] = {**_estimate_summary(torch_ddp_estimate(planned.torch_step.graph, planned.cluster, plan.estimate)),
+            predictions[name] = {**_estimate_summary(torch_ddp_estimate(planned.torch_step.graph, planned.cluster, plan.estimate,
+                                                                           dp_plan=plan)),
                                  "solver_dp_layout_step_s": predictions[name]["step_s"]}
     return predictions
 

@@ -9,8 +9,12 @@ being the device's for the node's **compute dtype** (its first floating input's,
 and float16 matmuls run at about twice the float32 (TF32) rate on GPUs, and their bytes are half; on a CPU their
 kernels run at other rates again. A calibrated device also prices by size (``Device.matmul_curves``,
 ``Device.elementwise_curves``: measured per dtype by ``metadist calibrate``): a node's rates are the ones measured
-at its local FLOPs and bytes.
-View ops alias their input and cost no work. Every node, views included, also pays the device's fixed
+at its local FLOPs and bytes. A matmul also takes at least its larger operand's local bytes at the rate a matmul of
+few rows passes over it (``Device.matmul_stream_bytes_per_s_by_dtype``): a skinny matmul (8 rows against a 4096-square
+float32 weight on this project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by
+it.
+View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
+(every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw). Every node, views included, also pays the device's fixed
 ``op_overhead_s`` (dispatch: a few microseconds per op on a CPU process; 0 on the GPU presets).
 
 Uneven splits (``torch.chunk`` pieces) are priced on the rank with the largest pieces, which
@@ -40,6 +44,13 @@ class Work:
     """Floating-point operations of the whole (unsharded) node."""
     is_view: bool = False
     """The output aliases an input: no work, no bytes."""
+    operands: tuple[int, int] | None = None
+    """A matmul's two operands (positions among the node's inputs): it takes at least its larger operand's local
+    bytes at the device's matmul stream rate (:meth:`~.cluster.Device.matmul_stream_s`)."""
+    draws_whole: bool = False
+    """A random op: every rank draws the whole output and keeps its slice (the torch runtime's
+    :func:`metadist.runtime.random_ops.draw_random`, so that each shard holds the values one device would draw), so
+    its work and the bytes it writes are the whole node's under any strategy."""
 
 
 def _prod(values: Sequence[int]) -> int:
@@ -70,6 +81,9 @@ def _attention_flops(ins: Shapes, outs: Shapes) -> float:  # q [B, H, L, D], k [
     return 4.0 * _prod(query[:-1]) * key[-2] * query[-1]
 
 
+#: The operands (input positions) of matmul ops, by op name.
+_OPERANDS: dict[str, tuple[int, int]] = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
+
 #: FLOP formulas by op name (the target without namespace and overload: ``aten.mm.default`` -> ``mm``).
 _FLOPS: dict[str, Callable[[Shapes, Shapes], float]] = {
     "mm": _mm_flops,
@@ -96,10 +110,14 @@ def node_work(graph: Graph, node: Node) -> Work:
         return Work(flops=0.0, is_view=True)
     ins = [graph.value(name).spec.shape for name in node.input_names]
     outs = [value.spec.shape for value in node.output_values]
-    formula = _FLOPS.get(op_name(node.op.target))
+    if node.op.is_random:
+        return Work(flops=float(sum(_prod(shape) for shape in outs)), draws_whole=True)
+    name = op_name(node.op.target)
+    formula = _FLOPS.get(name)
     if formula is not None and outs:
+        operands = _OPERANDS.get(name)
         try:
-            return Work(flops=formula(ins, outs))
+            return Work(flops=formula(ins, outs), operands=operands if operands and operands[1] < len(ins) else None)
         except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
             pass
     return Work(flops=float(sum(_prod(shape) for shape in outs)))
@@ -158,17 +176,22 @@ def compute_seconds(
     """Roofline time of the node's local work under ``strategy`` (seconds), on the rank with the largest pieces."""
     if work.is_view:
         return device.op_overhead_s
-    flops = work.flops / split_degree(strategy, mesh)
-    if strategy.choices:
-        flops *= uneven_scale(strategy, input_specs, mesh)
-    memory_bytes = sum(local_nbytes(spec, sharding, mesh) for spec, sharding in zip(input_specs, strategy.inputs))
+    flops = work.flops
+    if not work.draws_whole:
+        flops /= split_degree(strategy, mesh)
+        if strategy.choices:
+            flops *= uneven_scale(strategy, input_specs, mesh)
+    input_bytes = [local_nbytes(spec, sharding, mesh) for spec, sharding in zip(input_specs, strategy.inputs)]
+    memory_bytes = sum(input_bytes)
     memory_bytes += sum(
-        local_nbytes(spec, sharding, mesh)
+        spec.nbytes if work.draws_whole else local_nbytes(spec, sharding, mesh)
         for spec, sharding in zip(output_specs, strategy.outputs)
         if spec is not None and sharding is not None
     )
     dtype = compute_dtype(input_specs, output_specs)
     roofline = max(flops / device.flops_per_s(dtype, flops), memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
+    if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:
+        roofline = max(roofline, device.matmul_stream_s(dtype, max(input_bytes[i] for i in work.operands)))
     return device.op_overhead_s + roofline
 
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from ..cost import Cluster
+from ..cost import Cluster, compute_seconds, node_work
 from ..ir import Graph, Mesh, Replicate, Role, Shard, TensorSpec
 from ..ir.plan import Plan
 from .errors import SolverError
@@ -120,7 +120,8 @@ def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_li
     return replace(plan, solver={**plan.solver, "kind": f"{kind}+recompute" if recompute else kind}, recompute=layers)
 
 
-def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_cap_bytes: float | None = None) -> dict[str, Any]:
+def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_cap_bytes: float | None = None,
+                       dp_plan: Plan | None = None) -> dict[str, Any]:
     """The cost model's price of torch's own DistributedDataParallel on ``graph``: not the solver's ``dp`` layout.
 
     torch DDP runs the model eagerly on every rank with its share of the batch and reduces the gradients in buckets
@@ -129,6 +130,8 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     (:attr:`metadist.cost.cluster.Device.eager_op_overhead_s`, where the calibration measured one) instead of the
     runtime's, plus the buckets' all-reduces, each paying its full fixed and in-step cost. No overlap with the
     backward is assumed (on CPU processes sharing cores, gloo's threads take cores the backward needs).
+    With ``dp_plan`` (the ``dp`` layout's plan), random ops are priced as DDP draws them, each rank its own share
+    (:func:`eager_random_discount`); the layout's estimate prices them whole, as MetaDist's runtime draws them.
     """
     from ..cost.comm import collective_seconds
     from ..lowering.coalesce import DEFAULT_BUCKET_CAP_BYTES
@@ -137,6 +140,8 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     device = cluster.device
     nodes = len(graph.nodes)
     compute_s = float(dp_estimate["compute_s"])
+    if dp_plan is not None:
+        compute_s -= eager_random_discount(graph, dp_plan, cluster)
     if device.eager_op_overhead_s > 0:
         compute_s += nodes * (device.eager_op_overhead_s - device.op_overhead_s)
     grad_bytes = float(sum(item.value.spec.nbytes for item in graph.inputs if item.role is Role.PARAM))
@@ -151,3 +156,21 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
             "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
             "memory_bytes_peak": dp_estimate.get("memory_bytes_peak"),
             "collectives_by_kind": {"all_reduce": buckets} if buckets else {}, "cluster": cluster.name}
+
+
+def eager_random_discount(graph: Graph, plan: Plan, cluster: Cluster) -> float:
+    """Seconds less that ``plan``'s random ops take when each rank draws only its own share, as torch runs a model
+    eagerly under DDP or FSDP (other values than one device's), against MetaDist's runtime, which draws every random
+    tensor whole on every rank and keeps its slice (:attr:`metadist.cost.compute.Work.draws_whole`)."""
+    saved = 0.0
+    for node in graph.nodes:
+        if not node.op.is_random:
+            continue
+        strategy = plan.node_strategies[node.name]
+        in_specs = [graph.value(name).spec for name in node.input_names]
+        out_specs = [v.spec if v else None for v in node.outputs]
+        work = node_work(graph, node)
+        whole = compute_seconds(work, in_specs, out_specs, strategy, cluster.mesh, cluster.device)
+        share = compute_seconds(replace(work, draws_whole=False), in_specs, out_specs, strategy, cluster.mesh, cluster.device)
+        saved += whole - share
+    return saved
