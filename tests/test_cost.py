@@ -130,6 +130,44 @@ def test_compute_is_priced_at_the_rates_of_its_dtype():
     assert Cluster.from_dict(json.loads(Cluster(mesh=mesh, device=curved, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),)).to_json())).device == curved
 
 
+def test_a_skinny_matmul_takes_its_large_operand_at_the_stream_rate():
+    from metadist.cost.cluster import Device
+
+    graph, _ = mlp_step(8, 4096, 4096, layers=1)
+    node = graph.node("mm_0")  # [8, 4096] @ [4096, 4096]
+    work = node_work(graph, node)
+    assert work.operands == (0, 1)
+    plain = Device(peak_flops_per_s=1e11, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9)
+    streaming = Device(peak_flops_per_s=1e11, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9,
+                       matmul_stream_bytes_per_s_by_dtype={"float32": 2e9})
+    mesh = Mesh((2,))
+    specs = [graph.value(name).spec for name in node.input_names]
+    outs = [node.outputs[0].spec]
+    from test_solver_helpers import RULES
+    from metadist.ir import parse_rule
+
+    rule = parse_rule(RULES["mm"])
+    replicated = strategy_from_choices(rule, (AxisChoice("replicate"),))
+    weight = 4096 * 4096 * 4
+    roofline = max(work.flops / 1e11, (8 * 4096 * 2 * 4 + weight) / 2e10)
+    assert compute_seconds(work, specs, outs, replicated, mesh, plain) == pytest.approx(roofline)
+    assert compute_seconds(work, specs, outs, replicated, mesh, streaming) == pytest.approx(weight / 2e9)  # 10x more
+    # split on the weight's columns, each rank passes over its half of it
+    cols = strategy_from_choices(rule, (AxisChoice("factor", 2),))
+    assert compute_seconds(work, specs, outs, cols, mesh, streaming) == pytest.approx(weight / 2 / 2e9)
+    # a square matmul of the same operand is priced by its FLOPs; a dtype without a stream rate has no floor
+    square, _ = mlp_step(4096, 4096, 4096, layers=1)
+    big = square.node("mm_0")
+    big_specs = [square.value(name).spec for name in big.input_names]
+    assert compute_seconds(node_work(square, big), big_specs, [big.outputs[0].spec], replicated, mesh, streaming) == \
+        pytest.approx(2 * 4096**3 / 1e11)
+    assert streaming.matmul_stream_s("bfloat16", weight) == 0.0
+    assert Device(**{name: getattr(streaming, name) for name in streaming.__dataclass_fields__}) == streaming
+    with pytest.raises(ClusterError, match="positive"):
+        Device(peak_flops_per_s=1e11, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9,
+               matmul_stream_bytes_per_s_by_dtype={"float32": 0.0})
+
+
 def test_liveness_categories_and_peaks():
     graph, _ = mlp_step(256, 64, 128, layers=2)
     lives = liveness(graph)
@@ -217,6 +255,9 @@ def test_calibrate_measures_gloo_on_two_processes():
     for kind in (device.matmul_curves, device.elementwise_curves):  # a curve per dtype, every point measured
         assert {dtype for dtype, _ in kind} == {"float32", "bfloat16", "float16"}
         assert all(len(points) >= 1 and all(rate > 0 for _, rate in points) for _, points in kind)
+    # and the rate a few-row matmul passes over its large operand, per dtype (version 4)
+    assert {dtype for dtype, _ in device.matmul_stream_bytes_per_s_by_dtype} == {"float32", "bfloat16", "float16"}
+    assert device.matmul_stream_s("float32", 1.0) == 1.0 / report["device"]["matmul_stream_bytes_per_s"]
 
 
 # ---------------------------------------------------------------- bucketed collectives

@@ -44,6 +44,29 @@ def test_kept_resharding_steps_equal_fresh_ones_uneven_pieces_included():
         comm.resharding_collectives(a, (Shard(0), R), (R, R), MESH)[0][2]
 
 
+@pytest.mark.parametrize("mesh", [MESH, Mesh((2, 1, 3)), Mesh((4, 2)), Mesh((2, 2, 2))], ids=str)
+def test_even_values_take_their_steps_from_a_shape_free_template_that_equals_the_lowering(mesh):
+    comm._STEPS.clear()
+    comm._TEMPLATES.clear()
+    specs = (TensorSpec((24, 12, 8), "float32"), TensorSpec((48, 6, 16), "bfloat16"), TensorSpec((96, 24, 40), "int64"),
+             TensorSpec((7, 5, 3), "float32"), TensorSpec((0, 4, 8), "float32"), TensorSpec((12,), "float32"))
+    placements = (R, P, Shard(0), Shard(1), Shard(2)) if mesh.ndim == 2 else (R, P, Shard(0), Shard(2))
+    checked = 0
+    for spec in specs:
+        for src, dst in itertools.product(itertools.product(placements, repeat=mesh.ndim), repeat=2):
+            try:
+                expected = _fresh(spec, src, dst, mesh)
+            except LoweringError:
+                with pytest.raises(LoweringError, match="which it does not have"):
+                    comm.resharding_collectives(spec, src, dst, mesh)
+                continue
+            assert comm.resharding_collectives(spec, src, dst, mesh) == expected, (spec, src, dst)
+            checked += 1
+    assert checked > 1000
+    # the even values of one rank share their templates (the uneven and the empty ones make none)
+    assert 0 < len(comm._TEMPLATES) <= len(placements) ** (2 * mesh.ndim) * 2
+
+
 def test_the_collectives_at_the_origin_are_the_planned_steps_on_a_mesh_with_an_axis_of_one():
     mesh = Mesh((2, 1, 3))  # the axis of size 1 holds the whole value whatever its placement
     for spec in (TensorSpec((12, 6), "float32"), TensorSpec((7, 5), "bfloat16"), TensorSpec((9,), "float32")):  # 1-D: Shard(1) is rejected

@@ -57,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per node "
                   f"in the runtime ({device.eager_op_overhead_s * 1e6:.1f} us eager), "
                   f"{human_bytes(device.memory_capacity_bytes)} capacity", markup=False)
-    for dtype, flops in device.peak_flops_per_s_by_dtype:
+    for dtype, flops in (("float32", device.peak_flops_per_s), *device.peak_flops_per_s_by_dtype):
+        stream = device.matmul_stream_s(dtype, 1.0)
         console.print(f"  in {dtype}: {flops / 1e9:.1f} GFLOP/s matmul, "
-                      f"{human_bytes(device.bandwidth_bytes_per_s(dtype))}/s elementwise", markup=False)
+                      f"{human_bytes(device.bandwidth_bytes_per_s(dtype))}/s elementwise"
+                      + (f", {human_bytes(1.0 / stream)}/s of a skinny matmul's large operand" if stream else ""), markup=False)
     if cached is not None:
         console.print(f"cached as this machine's calibration for {args.nproc} processes: {cached}", markup=False)
     for item in report["unsupported"]:

@@ -160,6 +160,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         peak_flops_per_s_by_dtype=_by_dtype(figures, "peak_flops_per_s_"),
         memory_bandwidth_bytes_per_s_by_dtype=_by_dtype(figures, "memory_bandwidth_bytes_per_s_"),
         matmul_curves=_curves(figures, "matmul_curve"), elementwise_curves=_curves(figures, "elementwise_curve"),
+        matmul_stream_bytes_per_s_by_dtype=_stream_rates(figures),
         op_overhead_s=runtime_op_overhead(figures),
         eager_op_overhead_s=eager_op_overhead(figures),
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
@@ -171,6 +172,14 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
 def _by_dtype(figures: Mapping[str, Any], prefix: str) -> dict[str, float]:
     """The worker's per-dtype figures (``peak_flops_per_s_bfloat16``, ...) as {dtype: figure}."""
     return {key.removeprefix(prefix): float(value) for key, value in figures.items() if key.startswith(prefix)}
+
+
+def _stream_rates(figures: Mapping[str, Any]) -> dict[str, float]:
+    """The worker's ``matmul_stream_bytes_per_s`` (float32) and ``matmul_stream_bytes_per_s_DTYPE`` as {dtype: rate}."""
+    rates = _by_dtype(figures, "matmul_stream_bytes_per_s_")
+    if "matmul_stream_bytes_per_s" in figures:
+        rates["float32"] = float(figures["matmul_stream_bytes_per_s"])
+    return rates
 
 
 def _curves(figures: Mapping[str, Any], kind: str) -> dict[str, list[tuple[float, float]]]:
@@ -230,10 +239,11 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
-(the cost model's curves). A cache of an older version is measured again, not read."""
+(the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls). A cache
+of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -96,6 +96,12 @@ MATMUL_SIZES = (64, 128, 256, 512)
 """Square matmul widths of the FLOP/s curve: a CPU's bfloat16 kernels run at a quarter of float32's rate at 64 and
 three times it at 512, so one figure cannot price both a tiny model and a large one."""
 
+STREAM_ROWS, STREAM_WIDTH = 8, 2048
+"""The matmul whose rate prices a pass over a large operand (``matmul_stream_bytes_per_s``): 8 rows against a
+2048 x 2048 operand. A CPU's kernels pack the large operand at a rate of their own: on this project's 2-core machine a
+float32 ``[8, 4096] @ [4096, 4096]`` ran at 8 GFLOP/s against 70 for a square matmul of the same FLOPs, about 2 GB/s
+of the operand's bytes, where the elementwise rate was 21 GB/s."""
+
 ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20)
 """Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte)."""
 
@@ -107,7 +113,8 @@ def _roofline(device: torch.device) -> dict[str, float]:
     (``matmul_curve:DTYPE:FLOPS``, keyed by one matmul's FLOPs) and the bytes/s of an add at each of
     :data:`ELEMENTWISE_SIZES` (``elementwise_curve:DTYPE:BYTES``), both less the fixed cost of one call (timed on
     a single element), which ``op_overhead_s`` prices; the largest size's figures are the dtype's peaks
-    (``peak_flops_per_s``, ``memory_bandwidth_bytes_per_s``, with ``_DTYPE`` for the narrow ones).
+    (``peak_flops_per_s``, ``memory_bandwidth_bytes_per_s``, with ``_DTYPE`` for the narrow ones); and the bytes/s at
+    which a matmul of few rows passes over its large operand (``matmul_stream_bytes_per_s``, :func:`_matmul_stream`).
     """
     figures: dict[str, float] = {}
     for dtype in (torch.float32, *NARROW_DTYPES):
@@ -117,6 +124,7 @@ def _roofline(device: torch.device) -> dict[str, float]:
             figures[f"matmul_curve:{name}:{flops}"] = figures[f"peak_flops_per_s{suffix}"] = rate
         for nbytes, rate in _elementwise_curve(device, dtype):
             figures[f"elementwise_curve:{name}:{nbytes}"] = figures[f"memory_bandwidth_bytes_per_s{suffix}"] = rate
+        figures[f"matmul_stream_bytes_per_s{suffix}"] = _matmul_stream(device, dtype)
     chain = _tiny_op_chain(400)  # a GraphModule of aten ops, as a captured step's rank program runs them
     tiny = torch.ones(8, device=device)
     sync = _synchronizer(device)
@@ -171,6 +179,14 @@ def _matmul_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[int, f
         if seconds > 0.05:
             break
     return curve
+
+
+def _matmul_stream(device: torch.device, dtype: torch.dtype) -> float:
+    """Bytes/s of the large operand of a :data:`STREAM_ROWS`-row matmul (:data:`STREAM_WIDTH` wide): the least time
+    any matmul takes per byte of its larger operand, whatever its FLOPs (a skinny matmul's price)."""
+    a = torch.randn(STREAM_ROWS, STREAM_WIDTH, device=device).to(dtype)
+    b = torch.randn(STREAM_WIDTH, STREAM_WIDTH, device=device).to(dtype)
+    return b.numel() * b.element_size() / _per_call_seconds(lambda: torch.mm(a, b), device)
 
 
 def _elementwise_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[int, float]]:

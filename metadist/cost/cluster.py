@@ -119,6 +119,12 @@ class Device:
     elementwise_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     """Measured elementwise bytes/s by the bytes one op moves, per dtype, as ``matmul_curves``, capped at the
     largest size's rate (see :meth:`bandwidth_bytes_per_s`)."""
+    matmul_stream_bytes_per_s_by_dtype: tuple[tuple[str, float], ...] = ()
+    """Bytes/s at which a matmul of few rows passes over its larger operand, per dtype, as (MetaIR dtype, bytes/s)
+    pairs (``metadist calibrate`` on CPUs: its kernels pack that operand at about 2 GB/s in float32 on this project's
+    2-core machine, a tenth of the elementwise rate). A matmul takes at least its larger operand's local bytes at this
+    rate (:meth:`matmul_stream_s`): a skinny one (few tokens per expert, a small local batch) is priced by it, a
+    square one by its FLOPs. A dtype not listed has no such floor."""
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
@@ -130,6 +136,8 @@ class Device:
     def __post_init__(self) -> None:
         pairs = _dtype_pairs(self.peak_flops_per_s_by_dtype)
         bandwidths = _dtype_pairs(self.memory_bandwidth_bytes_per_s_by_dtype)
+        streams = _dtype_pairs(self.matmul_stream_bytes_per_s_by_dtype)
+        object.__setattr__(self, "matmul_stream_bytes_per_s_by_dtype", streams)
         object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
         object.__setattr__(self, "memory_bandwidth_bytes_per_s_by_dtype", bandwidths)
         object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
@@ -138,7 +146,7 @@ class Device:
         object.__setattr__(self, "elementwise_curves", elementwise)
         object.__setattr__(self, "_rates", {})  # (curve kind, dtype, size) -> rate: compute_seconds asks often
         figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes,
-                   *(v for _, v in pairs), *(v for _, v in bandwidths),
+                   *(v for _, v in pairs), *(v for _, v in bandwidths), *(v for _, v in streams),
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0:
             raise ClusterError(f"device figures must be positive (op overhead >= 0), got {self}")
@@ -172,6 +180,14 @@ class Device:
             if name == dtype:
                 return rate
         return self.memory_bandwidth_bytes_per_s
+
+    def matmul_stream_s(self, dtype: str, operand_bytes: float) -> float:
+        """The least seconds a matmul in ``dtype`` whose larger operand holds ``operand_bytes`` (locally) takes: that
+        operand passed over at ``matmul_stream_bytes_per_s_by_dtype``'s rate (0 where the dtype has none)."""
+        for name, rate in self.matmul_stream_bytes_per_s_by_dtype:
+            if name == dtype:
+                return operand_bytes / rate
+        return 0.0
 
     def _on_curve(self, kind: str, curves, dtype: str, size: float, capped: bool = False) -> float | None:
         """The rate at ``size`` on ``dtype``'s curve of ``curves`` (None without one), ``capped`` at its largest

@@ -49,6 +49,7 @@ bandwidth term is paid in full. All-to-alls are never bucketed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -136,23 +137,53 @@ def resharding_collectives(spec: TensorSpec, src: tuple, dst: tuple, mesh) -> tu
 
     The steps depend only on the shape, item size, both shardings and the mesh, so they are planned once per such
     key and kept (:data:`_STEPS`, at most :data:`_STEPS_KEPT` keys): a planning pass asks for the same few thousand
-    reshardings tens of thousands of times (every repeated layer, every baseline's estimate). A resharding the
-    lowering rejects raises each time it is asked (errors are not kept).
+    reshardings tens of thousands of times (every repeated layer, every baseline's estimate). A value both shardings
+    cut evenly takes its steps from a template shared by every shape of its rank (:func:`_even_steps`), with the bytes
+    of its own shape. A resharding the lowering rejects raises each time it is asked (errors are not kept).
     """
     key = (spec.shape, spec.itemsize, tuple(src), tuple(dst), mesh)
     steps = _STEPS.get(key)
     if steps is None:
-        from ..lowering.reshard import origin_collectives
+        steps = _even_steps(spec, key[2], key[3], mesh)
+        if steps is None:
+            from ..lowering.reshard import origin_collectives
 
-        steps = origin_collectives(spec.shape, spec.itemsize, src, dst, mesh, what=f"a {spec} value")
+            steps = origin_collectives(spec.shape, spec.itemsize, src, dst, mesh, what=f"a {spec} value")
         if len(_STEPS) >= _STEPS_KEPT:
             _STEPS.clear()
         _STEPS[key] = steps
     return steps
 
 
+def _even_steps(spec: TensorSpec, src: tuple, dst: tuple, mesh) -> tuple[tuple[str, int, int], ...] | None:
+    """The steps of a value that both shardings cut evenly, from the shape-free template of its rank and shardings
+    (:func:`metadist.lowering.reshard.even_collective_template`, kept in :data:`_TEMPLATES`); None otherwise (an
+    uneven or empty value, or a placement naming a dim the value lacks: the lowering's own steps say so)."""
+    from ..lowering.reshard import comm_bytes, even_collective_template
+    from ..lowering.shapes import is_even
+
+    shape = spec.shape
+    numel = math.prod(shape)
+    if not numel or any(p.__class__ is Shard and p.dim >= len(shape) for p in (*src, *dst)) \
+            or not (is_even(shape, src, mesh) and is_even(shape, dst, mesh)):
+        return None
+    template_key = (len(shape), src, dst, mesh)
+    template = _TEMPLATES.get(template_key)
+    if template is None:
+        template = even_collective_template(len(shape), src, dst, mesh)
+        if len(_TEMPLATES) >= _STEPS_KEPT:
+            _TEMPLATES.clear()
+        _TEMPLATES[template_key] = template
+    total = numel * spec.itemsize
+    return tuple((kind, axis, comm_bytes(kind, mesh.shape[axis], total // pieces_in, total // pieces_out))
+                 for kind, axis, pieces_in, pieces_out in template)
+
+
 _STEPS_KEPT = 1 << 17
 _STEPS: dict[tuple, tuple[tuple[str, int, int], ...]] = {}
+_TEMPLATES: dict[tuple, tuple[tuple[str, int, int, int], ...]] = {}
+"""Shape-free steps of even reshardings by (rank, source, target, mesh): LLaMA-7B on 8x8 asks for ~15,000 distinct
+(shape, source, target) reshardings of far fewer such keys."""
 
 
 def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, fixed_share: float = 1.0) -> tuple[float, float]:
