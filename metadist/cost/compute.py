@@ -14,8 +14,9 @@ few rows passes over it (``Device.matmul_stream_bytes_per_s_by_dtype``): a skinn
 float32 weight on this project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by
 it.
 View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
-(every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw). Every node, views included, also pays the device's fixed
-``op_overhead_s`` (dispatch: a few microseconds per op on a CPU process; 0 on the GPU presets).
+(every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw). Every
+node, views included, also pays the device's fixed ``op_overhead_s`` (dispatch: a few microseconds per op on a CPU
+process; 0 on the GPU presets).
 
 Uneven splits (``torch.chunk`` pieces) are priced on the rank with the largest pieces, which
 the others wait for: a factor of size ``n`` cut into ``m`` pieces does ``ceil(n / m) / n`` of the
