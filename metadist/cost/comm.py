@@ -55,7 +55,7 @@ from typing import Sequence
 
 from ..ir import Shard, TensorSpec
 from .cluster import Cluster, Link
-from .sharding import local_nbytes
+from .sharding import is_divisible, local_nbytes
 
 
 @dataclass(frozen=True)
@@ -160,17 +160,14 @@ def _even_steps(spec: TensorSpec, src: tuple, dst: tuple, mesh) -> tuple[tuple[s
     (:func:`metadist.lowering.reshard.even_collective_template`, kept in :data:`_TEMPLATES`); None otherwise (an
     uneven or empty value, or a placement naming a dim the value lacks: the lowering's own steps say so)."""
     from ..lowering.reshard import comm_bytes, even_collective_template
-    from ..lowering.shapes import is_even
 
-    shape = spec.shape
-    numel = math.prod(shape)
-    if not numel or any(p.__class__ is Shard and p.dim >= len(shape) for p in (*src, *dst)) \
-            or not (is_even(shape, src, mesh) and is_even(shape, dst, mesh)):
+    numel = math.prod(spec.shape)
+    if not numel or not (is_divisible(spec, src, mesh) and is_divisible(spec, dst, mesh)):
         return None
-    template_key = (len(shape), src, dst, mesh)
+    template_key = (spec.rank, src, dst, mesh)
     template = _TEMPLATES.get(template_key)
     if template is None:
-        template = even_collective_template(len(shape), src, dst, mesh)
+        template = even_collective_template(spec.rank, src, dst, mesh)
         if len(_TEMPLATES) >= _STEPS_KEPT:
             _TEMPLATES.clear()
         _TEMPLATES[template_key] = template

@@ -253,10 +253,10 @@ def origin_collectives(global_shape: Sequence[int], itemsize: int, source: Seque
     return tuple((step.kind, step.axis, step.comm_bytes) for step in steps if step.kind in COLLECTIVE_KINDS)
 
 
-def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh: Mesh) -> tuple[tuple[str, int, int, int], ...] | None:
+def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh: Mesh) -> tuple[tuple[str, int, int, int], ...]:
     """The collective steps at the origin of a resharding of any even value of ``rank`` dims: (kind, axis, how many
-    times the whole value is the step's local input, the same of its output), one per collective step; None when the
-    placements name a dim the rank lacks (:func:`origin_collectives` says why).
+    times the whole value is the step's local input, the same of its output), one per collective step. The placements
+    name dims below ``rank`` (the caller checks).
 
     For a value whose every sharded dim divides evenly by its mesh axes under both shardings, the steps are
     :func:`origin_collectives`' on any such shape: the phases choose collectives from the placements alone, every
@@ -265,28 +265,21 @@ def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh
     by those counts. Built here on the smallest even shape.
     """
     source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
-    pieces = [1] * rank
-    for sharding in (source, target):
-        for axis, placement in enumerate(sharding):
-            if placement.__class__ is Shard:
-                if placement.dim >= rank:
-                    return None
-                pieces[placement.dim] = math.lcm(pieces[placement.dim], _dim_pieces(sharding, placement.dim, mesh))
     if source == target:
         return ()
+    pieces = [1] * rank
+    for sharding in (source, target):
+        cuts = [1] * rank
+        for axis, placement in enumerate(sharding):
+            if placement.__class__ is Shard:
+                cuts[placement.dim] *= mesh.shape[axis]
+        pieces = [math.lcm(have, cut) for have, cut in zip(pieces, cuts)]
     total = _numel(pieces)
     steps = _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
     if any(step.kind in ("pad", "unpad") for step in steps):  # pragma: no cover - even shapes are never padded
         raise LoweringError("internal: an even resharding was padded")
     return tuple((step.kind, step.axis, total // _numel(step.local_shape_in), total // _numel(step.local_shape_out))
                  for step in steps if step.kind in COLLECTIVE_KINDS)
-
-
-def _dim_pieces(sharding: Sequence, dim: int, mesh: Mesh) -> int:
-    count = 1
-    for axis in _axes_sharding(sharding, dim):
-        count *= mesh.shape[axis]
-    return count
 
 
 def _build(global_shape, itemsize, source: tuple, target: tuple, mesh: Mesh, coords, what: str) -> list[ReshardStep]:
