@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Protocol
+from typing import Iterator, Mapping, Protocol
 
 from ..ir import Graph, Rule
 from ..progress import phase
@@ -53,7 +53,7 @@ class DiscoveryStats:
     seconds: float
     """Wall time of the whole call."""
     discovery_seconds: tuple[float, ...] = ()
-    """Wall time of each signature discovered now, in graph order."""
+    """Wall time of each signature discovered now, in the order they finished (graph order in one process)."""
 
 
 @dataclass(frozen=True)
@@ -88,26 +88,36 @@ def graph_rules(
     db: RuleStore | None = None,
     progress: bool = False,
     config: DiscoveryConfig = DiscoveryConfig(),
+    workers: int | None = None,
 ) -> GraphRules:
-    """The rule (or the reason for none) of every node of ``graph``, discovering once per signature."""
+    """The rule (or the reason for none) of every node of ``graph``, discovering once per signature.
+
+    ``workers``: worker processes for the signatures not in ``db`` (:mod:`.pool`); None chooses by the
+    executor (only one defining ``worker_env``), this machine's CPUs and the number of new signatures;
+    0 or 1 discovers in this process.
+    """
     start = time.perf_counter()
     groups = signature_groups(graph)
     outcomes: dict[OpSignature, Rule | str] = {}
     from_db = 0
     seconds: list[float] = []
     with _progress(progress, len(groups)) as advance, phase("discovery", total=len(groups)) as advance_phase:
+        pending = []
         for signature, calls in groups.items():
             stored = db.get(signature.key, executor.framework, _version_key(executor)) if db is not None else None
             if stored is not None:
                 outcomes[signature] = stored
                 from_db += 1
+                advance(signature.target)
+                advance_phase(signature.target)
             else:
-                started = time.perf_counter()
-                outcomes[signature] = _discover_one(signature, calls[0], executor, config)
-                seconds.append(time.perf_counter() - started)
-                if db is not None:
-                    db.put(signature.key, executor.framework, _version_key(executor), outcomes[signature],
-                           signature.target, discovery_seconds=seconds[-1])
+                pending.append((signature, calls[0]))
+        for signature, outcome, took in _discover_pending(pending, executor, config, workers):
+            outcomes[signature] = outcome
+            seconds.append(took)
+            if db is not None:
+                db.put(signature.key, executor.framework, _version_key(executor), outcome, signature.target,
+                       discovery_seconds=took)
             advance(signature.target)
             advance_phase(signature.target)
     rules, missing, keys = {}, {}, {}
@@ -131,6 +141,25 @@ def rules_from_database(graph: Graph, executor: OpExecutor, rules_db: str | None
 
     with RuleDatabase(rules_db) as db:
         return graph_rules(graph, executor, db=db, progress=progress)
+
+
+def _discover_pending(pending: list[tuple[OpSignature, OpCall]], executor: OpExecutor, config: DiscoveryConfig,
+                      workers: int | None) -> Iterator[tuple[OpSignature, Rule | str, float]]:
+    """``(signature, rule or reason, seconds)`` for each pending signature: in worker processes or in this one."""
+    from . import pool
+
+    count = pool.worker_count(executor, len(pending)) if workers is None else workers
+    if count >= 2:
+        refused = pool.picklable(executor, config)
+        if refused is None:
+            log.info("discovering %d signatures in %d worker processes", len(pending), count)
+            yield from pool.WorkerPool(executor, config, count).discover(pending)
+            return
+        log.info("discovering in this process: the executor cannot be sent to worker processes (%s)", refused)
+    for signature, call in pending:
+        started = time.perf_counter()
+        outcome = _discover_one(signature, call, executor, config)
+        yield signature, outcome, time.perf_counter() - started
 
 
 def _discover_one(signature: OpSignature, call: OpCall, executor: OpExecutor, config: DiscoveryConfig) -> Rule | str:
