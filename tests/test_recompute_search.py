@@ -205,3 +205,50 @@ def test_layers_the_user_already_checkpoints_are_not_offered_again():
     model = Checkpointed()
     graph = capture_step(step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 16)).graph
     assert recompute_layers(graph) == ()
+
+
+@pytest.fixture(scope="module")
+def deep_blocks(tmp_path_factory):
+    """Eight blocks (seven may recompute): tied layers whose recomputation the ILP prices alike."""
+    from metadist.api import capture_and_discover
+
+    folder = tmp_path_factory.mktemp("deep-blocks")
+    path = folder / "deep_blocks.py"
+    path.write_text(BLOCKS.replace("model=Blocks()", "model=Blocks(depth=8)"))
+    graph, rules = capture_and_discover(str(path), str(folder / "rules.db"))
+    return graph, rules
+
+
+def test_alike_layers_share_one_count_and_solve_as_one_binary_each(deep_blocks, monkeypatch):
+    """The ILP counts how many of a group of alike layers recompute (one integer, not one binary per layer); the
+    optimum is the one-binary-per-layer formulation's, under a budget and when minimizing memory."""
+    import metadist.solver.ilp as ilp_module
+
+    graph, rules = deep_blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    problem = build_problem(graph, rules.rules, cluster)
+    candidates = recompute_layers(graph)
+    assert len(candidates) == 7
+    every = tuple(layer.layer for layer in candidates)
+    problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
+    terms = recompute_terms(problem, candidates)
+    groups = ilp_module._layer_groups(terms)
+    assert sorted(index for members in groups for index in members) == list(range(7))
+    assert max(len(members) for members in groups) > 1 and len(groups) < 7  # tied layers fold into groups
+    for members in groups:  # members of a group are alike term for term
+        assert all(terms.seconds[i] == terms.seconds[members[0]] for i in members)
+        assert all(per_peak[i] == per_peak[members[0]] for per_peak in terms.freed for i in members)
+
+    without = smallest_memory_bytes(problem)
+    grouped_memory = ShardingILP(problem, None, minimize_memory=True, recompute=terms).solve()
+    budget = 0.5 * (without + grouped_memory.objective_s)  # some layers must recompute, not all
+    grouped = ShardingILP(problem, budget, recompute=terms).solve()
+    monkeypatch.setattr(ilp_module, "_layer_groups", lambda t: [(index,) for index in range(len(t.layers))])
+    single_memory = ShardingILP(problem, None, minimize_memory=True, recompute=terms).solve()
+    single = ShardingILP(problem, budget, recompute=terms).solve()
+    assert grouped_memory.objective_s == pytest.approx(single_memory.objective_s, rel=1e-6)
+    assert grouped.objective_s == pytest.approx(single.objective_s, rel=1e-4)  # mip_rel_gap 1e-4
+    assert 0 < len(grouped.recompute) < 7 and len(grouped.recompute) == len(single.recompute)
+    for members in groups:  # of each group, the first layers in layer order
+        chosen = [terms.layers[i] for i in members if terms.layers[i] in grouped.recompute]
+        assert chosen == [terms.layers[i] for i in members[: len(chosen)]]

@@ -13,6 +13,8 @@ Variables
     ``z[h]`` in [0, 1]: shared charge ``h`` is paid (a resharding several readers of one value may
     need, run once: :class:`~.problem.SharedCharge`); at least each of its terms, so exactly their
     maximum at an integral point, since its cost is positive.
+    With recomputation offered: ``r[g]`` in {0, ..., n_g}, how many of a group's ``n_g`` alike layers
+    recompute, and ``w[g, c, s]``, ``r[g] * x[c, s]`` linearized (:meth:`ShardingILP.recompute_variables`).
 
 Objective (microseconds, i.e. seconds times ``OBJECTIVE_SCALE``)
     minimize  sum_{c,s} (compute_s[c][s] + linear_comm_s[c][s]) x[c, s]
@@ -143,6 +145,8 @@ class ShardingILP:
         self.charge_variables()
         self.r: list[int] = []
         self.w: list[dict[int, list[int]]] = []
+        self.groups: list[tuple[int, ...]] = []
+        """Per ``r[g]``: the candidate layers (indices into ``recompute.layers``) it counts."""
         self.recompute_variables()
         self.memory_variable = self._new_variable(1.0, False) if minimize_memory else None
         if self.memory_variable is not None:
@@ -188,30 +192,44 @@ class ShardingILP:
             self.z = [self._new_variable(charge.seconds, False, OBJECTIVE_SCALE) for charge in self.problem.charges]
 
     def recompute_variables(self) -> None:
-        """``r[i]`` in {0, 1}: layer ``i`` recomputes; ``w[i, c, s]`` in [0, 1]: it does and class ``c`` takes ``s``.
+        """``r[g]`` in {0, ..., n_g}: how many layers of group ``g`` recompute; ``w[g, c, s]`` in [0, n_g]: how many of
+        them do while class ``c`` takes ``s``.
 
-        The recomputed forward's seconds and freed bytes depend on the sharding: they sit on ``w``
-        (``r[i]`` itself for classes with one strategy), which :meth:`recompute_links` ties to ``r`` and ``x``.
+        A group is the candidate layers whose recomputation costs the same seconds and frees the same bytes at every
+        peak, strategy by strategy (:func:`_layer_groups`): tied repeated layers, whose classes are shared. Choosing
+        which of them recompute changes nothing the model prices, so one integer per group stands for their binaries,
+        and the LP has no copies of one layer's terms to branch over (LLaMA-70B on 128x8: 80 layers, one binary each,
+        ran past 5 minutes of HiGHS). The recomputed forward's seconds and freed bytes depend on the sharding: they
+        sit on ``w`` (``r[g]`` itself for classes with one strategy), which :meth:`recompute_links` ties to ``r`` and ``x``.
         """
         if self.recompute is None:
             return
         weight = 0.0 if self.minimize_memory else OBJECTIVE_SCALE
-        for seconds in self.recompute.seconds:
+        self.groups = _layer_groups(self.recompute)
+        for members in self.groups:
+            first = members[0]
+            seconds = self.recompute.seconds[first]
             constant = sum(row[0] for c, row in seconds.items() if c not in self.x)
-            self.r.append(self._new_variable(constant, True, weight))
+            r = self._new_variable(constant, True, weight)
+            self.upper[r] = float(len(members))
+            self.r.append(r)
             classes = {c for c in seconds if c in self.x}
-            classes |= {c for per_peak in self.recompute.freed for c in per_peak[len(self.w)] if c in self.x}
-            self.w.append({c: [self._new_variable(seconds.get(c, (0.0,) * len(self.x[c]))[s], False, weight)
-                               for s in range(len(self.x[c]))] for c in sorted(classes)})
+            classes |= {c for per_peak in self.recompute.freed for c in per_peak[first] if c in self.x}
+            w = {c: [self._new_variable(seconds.get(c, (0.0,) * len(self.x[c]))[s], False, weight)
+                     for s in range(len(self.x[c]))] for c in sorted(classes)}
+            for variables in w.values():
+                for variable in variables:
+                    self.upper[variable] = min(self.upper[variable] * len(members), float(len(members)))
+            self.w.append(w)
 
     # -- constraints ------------------------------------------------------------
     def recompute_links(self) -> None:
-        """``sum_s w[i, c, s] = r[i]`` and ``w[i, c, s] <= x[c, s]``: ``w`` is ``r[i] * x[c, s]`` at every integral point."""
-        for r, w in zip(self.r, self.w):
+        """``sum_s w[g, c, s] = r[g]`` and ``w[g, c, s] <= n_g x[c, s]``: ``w`` is ``r[g] * x[c, s]`` at every integral point."""
+        for members, r, w in zip(self.groups, self.r, self.w):
             for c, variables in w.items():
                 self.rows.append((variables + [r], [1.0] * len(variables) + [-1.0], 0.0, 0.0))
                 for variable, x in zip(variables, self.x[c]):
-                    self.rows.append(([variable, x], [1.0, -1.0], -highspy.kHighsInf, 0.0))
+                    self.rows.append(([variable, x], [1.0, -float(len(members))], -highspy.kHighsInf, 0.0))
 
     def one_strategy_per_class(self) -> None:
         for variables in self.x.values():
@@ -249,7 +267,9 @@ class ShardingILP:
             for c, row in coefficients.items():
                 index += self.x[c]
                 value += [MEMORY_SCALE * size for size in row]
-            for freed, r, w in zip(self.recompute.freed[peak] if self.recompute else (), self.r, self.w):
+            per_layer = self.recompute.freed[peak] if self.recompute else ()
+            for members, r, w in zip(self.groups, self.r, self.w):
+                freed = per_layer[members[0]]
                 index.append(r)
                 value.append(-MEMORY_SCALE * sum(row[0] for c, row in freed.items() if c not in self.x))
                 for c, row in freed.items():
@@ -439,11 +459,18 @@ class ShardingILP:
         stats = self._stats(time.perf_counter() - started, highs.modelStatusToString(status), gap, int(max(info.mip_node_count, 0)), method)
         logger.info("ILP: %s", stats)
         objective = float(info.objective_function_value)
-        recompute = tuple(layer for layer, r in zip(self.recompute.layers if self.recompute else (), self.r) if values[r] > 0.5)
+        recompute = self._recomputed(values)
         if self.minimize_memory:
             return Solution(choice=choice, objective_s=objective / MEMORY_SCALE, stats=stats, recompute=recompute)
         return Solution(choice=choice, objective_s=objective / OBJECTIVE_SCALE + self.constant_s(), stats=stats,
                         recompute=recompute)
+
+    def _recomputed(self, values: np.ndarray) -> tuple[int, ...]:
+        """The layers that recompute: of each group, the first ``r[g]`` in layer order (the model prices them alike)."""
+        if self.recompute is None:
+            return ()
+        chosen = [index for members, r in zip(self.groups, self.r) for index in members[: int(round(values[r]))]]
+        return tuple(self.recompute.layers[index] for index in sorted(chosen))
 
     def _stats(self, solve_s: float, status: str, gap: float | None, nodes: int, method: str) -> dict:
         return {
@@ -464,3 +491,14 @@ class ShardingILP:
         return sum(
             self.problem.compute_s[c][0] + self.problem.linear_comm_s[c][0] for c in self.problem.classes if c not in self.x
         )
+
+
+def _layer_groups(terms: RecomputeTerms) -> list[tuple[int, ...]]:
+    """The candidate layers (indices into ``terms.layers``) grouped by equal terms: the same seconds and the same bytes
+    freed at every peak, class by class and strategy by strategy; groups in order of their first layer."""
+    groups: dict[tuple, list[int]] = {}
+    for index in range(len(terms.layers)):
+        key = (tuple(sorted(terms.seconds[index].items())),
+               tuple(tuple(sorted(per_peak[index].items())) for per_peak in terms.freed))
+        groups.setdefault(key, []).append(index)
+    return [tuple(members) for members in groups.values()]
