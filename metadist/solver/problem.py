@@ -643,13 +643,18 @@ def with_peaks(problem: Problem, peaks: tuple[int, ...]) -> Problem:
 
 def _memory(graph, units, member_unit, unit_class, lives: Liveness, mesh, peaks):
     per_peak, constants = [], []
+    found: dict[str, tuple[int, list[float]]] = {}  # a value lives at several peaks: its sizes are found once
     for peak in peaks:
         coefficients: dict[int, list[float]] = {}
         constant = 0.0
         for life in lives.live_at(peak):
-            unit_index, member, k = _producer_of(graph, life.name, member_unit)
-            unit = units[unit_index]
-            sizes = [local_nbytes(life.spec, _output_sharding(unit, s, member, k), mesh) for s in range(len(unit.strategies))]
+            known = found.get(life.name)
+            if known is None:
+                unit_index, member, k = _producer_of(graph, life.name, member_unit)
+                unit = units[unit_index]
+                known = found[life.name] = (unit_index, [local_nbytes(life.spec, _output_sharding(unit, s, member, k), mesh)
+                                                         for s in range(len(unit.strategies))])
+            unit_index, sizes = known
             if len(sizes) == 1:
                 constant += sizes[0]
                 continue

@@ -184,6 +184,16 @@ class RecomputeTerms:
     freed: tuple[tuple[dict[int, tuple[float, ...]], ...], ...]
 
 
+def _without_names(arg: Arg) -> Arg:
+    """``arg`` with every value reference in it blanked: alike nodes of two layers read values of other names, and
+    their price depends on the values' specs only (keyed beside)."""
+    if isinstance(arg, ValueRef):
+        return None
+    if isinstance(arg, tuple):
+        return tuple(_without_names(item) for item in arg)
+    return arg
+
+
 def recompute_terms(problem, candidates: tuple[RecomputeLayer, ...]) -> RecomputeTerms:
     """Price recomputing each candidate layer on ``problem`` (its graph is the graph without recomputation).
 
@@ -219,11 +229,14 @@ def recompute_terms(problem, candidates: tuple[RecomputeLayer, ...]) -> Recomput
             unit, c = problem.units[unit_index], problem.unit_class[unit_index]
             row = seconds.setdefault(c, [0.0] * len(unit.strategies))
             node = graph.node(name)
+            alike = (node.op, _without_names(node.args), _without_names(node.kwargs),
+                     tuple(graph.value(v).spec for v in node.input_names))
             for s, strategies in enumerate(unit.strategies):
-                key = (node.op, node.args, node.kwargs, tuple(graph.value(v).spec for v in node.input_names), strategies[member])
-                if key not in cache:
-                    cache[key] = node_compute_s(graph, name, strategies[member], problem.cluster)
-                row[s] += cache[key]
+                key = (alike, strategies[member])
+                price = cache.get(key)
+                if price is None:
+                    price = cache[key] = node_compute_s(graph, name, strategies[member], problem.cluster)
+                row[s] += price
         seconds_by_layer.append({c: tuple(row) for c, row in seconds.items()})
         values = [v.name for name in layer.cloned for v in graph.node(name).output_values]
         cloned = set(values)
