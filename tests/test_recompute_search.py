@@ -252,3 +252,42 @@ def test_alike_layers_share_one_count_and_solve_as_one_binary_each(deep_blocks, 
     for members in groups:  # of each group, the first layers in layer order
         chosen = [terms.layers[i] for i in members if terms.layers[i] in grouped.recompute]
         assert chosen == [terms.layers[i] for i in members[: len(chosen)]]
+
+
+def test_the_footprint_ilp_runs_only_for_the_error_the_user_sees(blocks, monkeypatch):
+    """A budget only recomputation meets: the plan recomputes, and no memory-minimizing ILP ran for an error nobody
+    sees (on LLaMA-70B 128x8 that ILP outlasted the time limit and its failure hid the recomputation). When nothing
+    fits, the error names the footprint, or says it could not be computed when that ILP finds none in time."""
+    import metadist.solver.planner as planner
+    from metadist.solver import SolverError
+
+    _, graph, rules = blocks
+    cluster = cluster_for("cpu-gloo", Mesh((2,)))
+    without, with_recompute = _smallest(graph, rules, cluster)
+    footprints = []
+    real = planner.ShardingILP
+
+    class Counting(real):
+        def __init__(self, problem, budget, minimize_memory=False, recompute=None):
+            if minimize_memory:
+                footprints.append(recompute is not None)
+            super().__init__(problem, budget, minimize_memory=minimize_memory, recompute=recompute)
+
+    monkeypatch.setattr(planner, "ShardingILP", Counting)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without)
+    assert plan.recompute and footprints == []
+    with pytest.raises(InfeasibleBudgetError, match="smallest footprint any plan reaches"):
+        plan_graph(graph, rules, cluster, memory_budget_bytes=0.9 * with_recompute)
+    assert footprints == [True]  # recomputing every layer: the footprint with recomputation
+
+    class Failing(real):
+        def solve(self, time_limit_s=60.0):
+            if self.minimize_memory:
+                raise SolverError("HiGHS found no plan within 1 s")
+            return super().solve(time_limit_s)
+
+    monkeypatch.setattr(planner, "ShardingILP", Failing)
+    with pytest.raises(InfeasibleBudgetError, match="could not be computed"):
+        plan_graph(graph, rules, cluster, memory_budget_bytes=0.9 * with_recompute)
+    with pytest.raises(InfeasibleBudgetError, match="could not be computed"):
+        plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without, recompute=False)

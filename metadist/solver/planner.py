@@ -52,6 +52,7 @@ def plan_graph(
     uneven_shards: bool = True,
     reduce_dtype: str | None = None,
     recompute: bool = True,
+    budget_footprint: bool = True,
 ) -> Plan:
     """Plan ``graph`` on ``cluster``: the cheapest strategies that fit ``memory_budget_bytes`` per device.
 
@@ -65,6 +66,8 @@ def plan_graph(
     ``recompute``: when no plan fits the budget, offer the ILP each repeated layer's recomputation
     (:func:`_plan_with_recompute`); the plan then records the layers (``Plan.recompute``) and is made for the
     rewritten graph (:func:`~metadist.solver.recompute.apply_recompute`).
+    ``budget_footprint``: a budget error says the smallest footprint any plan reaches (a second ILP); False leaves it
+    out, for a caller that tries something else on that error.
     """
     if solver not in SOLVERS:
         raise SolverError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
@@ -76,6 +79,8 @@ def plan_graph(
         restrictions = replace(restrictions, reduce_dtype=reduce_dtype)
     budget = cluster.device.memory_capacity_bytes if memory_budget_bytes is None else memory_budget_bytes
     budget = None if budget == float("inf") else float(budget)
+    can_recompute = recompute and budget is not None and solver == "ilp"
+    footprint = budget_footprint and not can_recompute  # recomputation comes first: the footprint when it fails too
     problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes))
     try:
         for round_index in range(MAX_PEAK_ROUNDS):
@@ -83,18 +88,19 @@ def plan_graph(
                 logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
                 problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
             estimates = _Estimates(problem)
-            solution = _solve(problem, budget, solver, time_limit_s, beam_width, estimates)
+            solution = _solve(problem, budget, solver, time_limit_s, beam_width, estimates, footprint=footprint)
             assignment = assignment_from(problem, solution.choice)
             figures = estimates.figures(solution.choice)
             position = figures["memory_peak_position"]
             if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
                 break
     except InfeasibleBudgetError as error:
-        if not recompute or budget is None or solver != "ilp":
+        if not can_recompute:
             raise
         return _plan_with_recompute(graph, rule_map, missing, cluster, problem, budget, error,
                                     dict(time_limit_s=time_limit_s, restrictions=restrictions,
-                                         bucket_cap_bytes=bucket_cap_bytes, uneven_shards=uneven_shards))
+                                         bucket_cap_bytes=bucket_cap_bytes, uneven_shards=uneven_shards),
+                                    budget_footprint)
     if budget is not None and figures["memory_bytes_peak"] > budget * (1 + 1e-9):
         logger.warning(
             "after %d rounds the plan's memory peak (%.0f bytes at %s) still exceeds the budget (%.0f bytes); "
@@ -105,7 +111,8 @@ def plan_graph(
 
 
 def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mapping[str, str], cluster: Cluster,
-                         problem: Problem, budget: float, error: InfeasibleBudgetError, options: dict) -> Plan:
+                         problem: Problem, budget: float, error: InfeasibleBudgetError, options: dict,
+                         footprint: bool = True) -> Plan:
     """No plan fits without recomputation: let the ILP choose the layers to recompute, then plan the rewritten graph.
 
     The ILP (:class:`ShardingILP` with :class:`~.recompute.RecomputeTerms`) gets a binary per repeated layer: recomputing
@@ -113,20 +120,23 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
     Its layers are then written into the graph (:func:`~.recompute.apply_recompute`) and the rewritten graph is planned
     as any other, so every reshard of the recomputed forward and the true memory peaks are priced; should the
     ILP's layers still not fit there, every layer recomputes. No layer that can recompute, or no fit even so, is the
-    original error, with the smallest footprint recomputation reaches.
+    original error, with the smallest footprint recomputation reaches (``footprint``: found by an ILP that minimizes
+    memory, run only for this error; ``error`` comes without it, :func:`_solve`).
     """
     from .recompute import CLONE_SUFFIX, apply_recompute, recompute_layers, recompute_terms
 
+    original = problem
     candidates = recompute_layers(graph)
     if not candidates:
-        raise error
+        raise _with_footprint(error, original, options["time_limit_s"], footprint)
     every = tuple(layer.layer for layer in candidates)
     problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
     terms = recompute_terms(problem, candidates)
     solution = ShardingILP(problem, budget, recompute=terms).solve(options["time_limit_s"])
     if solution is None:
-        smallest = ShardingILP(problem, None, minimize_memory=True, recompute=terms).solve(options["time_limit_s"])
-        raise InfeasibleBudgetError(budget, None if smallest is None else smallest.objective_s,
+        smallest = _smallest(ShardingILP(problem, None, minimize_memory=True, recompute=terms), options["time_limit_s"]) \
+            if footprint else None
+        raise InfeasibleBudgetError(budget, smallest,
                                     f" (even recomputing all {len(candidates)} repeated layers' forward)") from error
     for layers in dict.fromkeys((solution.recompute, every)):
         rewritten = apply_recompute(graph, layers)
@@ -134,14 +144,23 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
         clone_missing = {**missing, **{name: missing.get(name[: -len(CLONE_SUFFIX)], "no rule given") for name in without}}
         try:
             plan = plan_graph(rewritten, SimpleNamespace(rules=clone_rules, missing=clone_missing), cluster, budget, "ilp",
-                              recompute=False, **options)
+                              recompute=False, budget_footprint=False, **options)
         except InfeasibleBudgetError:
             logger.info("recomputing layers %s does not fit on the rewritten graph; trying every layer", list(layers))
             continue
         chosen = {"layers": list(layers), "candidates": list(every), "ilp_layers": list(solution.recompute),
                   "ilp_objective_s": solution.objective_s}
         return replace(plan, recompute=tuple(layers), solver={**plan.solver, "recompute": chosen})
-    raise error
+    raise _with_footprint(error, original, options["time_limit_s"], footprint)
+
+
+def _with_footprint(error: InfeasibleBudgetError, problem: Problem, time_limit_s: float,
+                    footprint: bool) -> InfeasibleBudgetError:
+    """``error`` (raised without its footprint, :func:`_solve`) with the smallest footprint any plan of ``problem``
+    reaches, where ``footprint`` asks for it."""
+    if error.minimum_bytes is not None or not footprint:
+        return error
+    return InfeasibleBudgetError(error.budget_bytes, smallest_memory_bytes(problem, time_limit_s))
 
 
 def _peaks_after_recompute(graph: Graph, layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -187,7 +206,9 @@ def check_device_dtypes(graph: Graph, cluster: Cluster) -> None:
 
 
 def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: float, beam_width: int,
-           estimates: "_Estimates | None" = None) -> Solution:
+           estimates: "_Estimates | None" = None, footprint: bool = True) -> Solution:
+    """The plan's solution; raises :class:`InfeasibleBudgetError` when nothing fits, with the smallest footprint any
+    plan reaches if ``footprint`` (a second ILP: the caller may go on to recomputation instead, and ask for it then)."""
     estimates = _Estimates(problem) if estimates is None else estimates
     if solver == "beam":
         solution = beam_search(problem, budget, beam_width)
@@ -203,7 +224,7 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
             else:
                 solution = _no_worse_than_baselines(problem, ilp, solution, time_limit_s, estimates, reason)
     if solution is None:
-        raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s))
+        raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s) if footprint else None)
     return solution
 
 
@@ -277,8 +298,18 @@ def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solut
 
 
 def smallest_memory_bytes(problem: Problem, time_limit_s: float = 60.0) -> float | None:
-    """The smallest per-device footprint at the problem's peaks that any plan reaches."""
-    solution = ShardingILP(problem, None, minimize_memory=True).solve(time_limit_s)
+    """The smallest per-device footprint at the problem's peaks that any plan reaches; None when the ILP finds none in
+    ``time_limit_s`` (logged: the footprint only informs a budget error, which then says it could not be computed)."""
+    return _smallest(ShardingILP(problem, None, minimize_memory=True), time_limit_s)
+
+
+def _smallest(ilp: ShardingILP, time_limit_s: float) -> float | None:
+    """The objective of a memory-minimizing ILP; None, logged, when it finds no plan in ``time_limit_s``."""
+    try:
+        solution = ilp.solve(time_limit_s)
+    except SolverError as err:
+        logger.warning("the smallest footprint of any plan was not found: %s", err)
+        return None
     return None if solution is None else solution.objective_s
 
 
