@@ -114,6 +114,8 @@ def tie_nodes(graph: Graph, min_run_length: int = 2) -> dict[str, str]:
     prefix of structural signatures (at least ``min_run_length``); runs that match no leader
     become leaders. First and last layers, whose runs carry extra nodes, tie on their prefix.
     """
+    from .recompute import CLONE_SUFFIX
+
     templates = {gi.value.name: input_template(gi) for gi in graph.inputs}
     representative = {node.name: node.name for node in graph.nodes}
     leaders: list[tuple[list[tuple], list[str]]] = []
@@ -132,7 +134,11 @@ def tie_nodes(graph: Graph, min_run_length: int = 2) -> dict[str, str]:
             leaders.append((key, names))
             continue
         for name, rep in zip(names[:best_length], best_names):
-            representative[name] = rep
+            representative[name] = representative[rep]
+        if best_length < len(key) and any(name.endswith(CLONE_SUFFIX) for name in names):
+            # a recomputed layer's backward run starts with its forward's clones, which tie to a forward run's prefix;
+            # the rest of it leads the next layers' backward runs, which would otherwise tie their clones only
+            leaders.append((key, names))
     return representative
 
 
