@@ -150,12 +150,14 @@ def _discover_pending(pending: list[tuple[OpSignature, OpCall]], executor: OpExe
 
     count = pool.worker_count(executor, len(pending)) if workers is None else workers
     if count >= 2:
-        refused = pool.picklable(executor, config)
-        if refused is None:
+        try:
+            workers_pool = pool.WorkerPool(executor, config, count)
+        except pool.NotSendable as refused:
+            log.info("discovering in this process: the executor cannot be sent to worker processes (%s)", refused)
+        else:
             log.info("discovering %d signatures in %d worker processes", len(pending), count)
-            yield from pool.WorkerPool(executor, config, count).discover(pending)
+            yield from workers_pool.discover(pending)
             return
-        log.info("discovering in this process: the executor cannot be sent to worker processes (%s)", refused)
     for signature, call in pending:
         started = time.perf_counter()
         outcome = _discover_one(signature, call, executor, config)

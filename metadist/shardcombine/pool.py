@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, BinaryIO, Iterator, Sequence
 
-__all__ = ["DiscoveryWorkerError", "MAX_WORKERS", "SIGNATURES_PER_WORKER", "WorkerPool", "worker_count"]
+__all__ = ["DiscoveryWorkerError", "MAX_WORKERS", "NotSendable", "SIGNATURES_PER_WORKER", "WorkerPool", "worker_count"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,10 @@ class DiscoveryWorkerError(RuntimeError):
     """A worker process could not start, or discovery itself raised in it (the worker's traceback is the message)."""
 
 
+class NotSendable(ValueError):
+    """The executor or config does not pickle, so it cannot be sent to a worker (the message says why)."""
+
+
 def worker_count(executor: Any, pending: int) -> int:
     """How many worker processes to discover ``pending`` signatures with (0 or 1: discover in this process)."""
     if not callable(getattr(executor, "worker_env", None)):
@@ -61,26 +65,20 @@ def worker_count(executor: Any, pending: int) -> int:
     return max(0, min(cpus, MAX_WORKERS, pending // SIGNATURES_PER_WORKER))
 
 
-def picklable(executor: Any, config: Any) -> str | None:
-    """None if the executor and config can be sent to a worker, else why not."""
-    try:
-        pickle.dumps((executor, config))
-    except Exception as err:  # noqa: BLE001 - any pickling error means: discover in this process
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
 class WorkerPool:
-    """``workers`` worker processes discovering signatures with ``executor`` and ``config``."""
+    """``workers`` worker processes discovering signatures with ``executor`` and ``config``; raises
+    :class:`NotSendable` when those do not pickle."""
 
     def __init__(self, executor: Any, config: Any, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {workers}")
         self.workers = workers
-        self._setup = pickle.dumps((executor, config))
+        try:
+            self._setup = pickle.dumps((executor, config))
+        except Exception as err:  # noqa: BLE001 - any pickling error: the caller discovers in its own process
+            raise NotSendable(f"{type(err).__name__}: {err}") from err
         self._env = {**os.environ, **executor.worker_env(),
                      "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-        self._started = 0
 
     def discover(self, items: Sequence[tuple[Any, Any]]) -> Iterator[tuple[Any, Any, float]]:
         """``(signature, outcome, seconds)`` for each ``(signature, call)`` of ``items``, as they finish.
@@ -117,7 +115,7 @@ class WorkerPool:
                 except queue.Empty:
                     return
                 if worker is None:
-                    worker = self._start()
+                    worker = _Worker.start(self._setup, self._env)
                 reply = worker.ask((signature, call))
                 if reply is None and stop.is_set():  # the caller stopped (an error elsewhere, an interrupt)
                     return
@@ -138,11 +136,6 @@ class WorkerPool:
         finally:
             if worker is not None:
                 worker.close()
-
-    def _start(self) -> "_Worker":
-        self._started += 1
-        return _Worker.start(self._setup, self._env)
-
 
 class _Worker:
     """One worker process and its pipes."""

@@ -219,7 +219,7 @@ class ShardingILP:
                      for s in range(len(self.x[c]))] for c in sorted(classes)}
             for variables in w.values():
                 for variable in variables:
-                    self.upper[variable] = min(self.upper[variable] * len(members), float(len(members)))
+                    self.upper[variable] *= len(members)  # 0 where forbidden
             self.w.append(w)
 
     # -- constraints ------------------------------------------------------------
@@ -430,16 +430,16 @@ class ShardingILP:
             return None
         values = np.array(highs.getSolution().col_value)
         start = None
-        if (lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values) and not self.minimize_memory
-                and not self.r):  # rounding knows strategies only: a relaxation with recomputation goes to branch and bound
+        fractional = (lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values)
+                      and not self.minimize_memory)
+        if fractional and not self.r:  # rounding knows strategies only: a relaxation with recomputation goes to branch and bound
             bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
             rounded = self.rounded(values, bound_s, started)
             if rounded is not None and rounded.stats["mip_gap"] <= ACCEPTED_ROUNDING_GAP:
                 logger.info("ILP: %s", rounded.stats)
                 return rounded
             start = None if rounded is None else rounded.choice
-        elif (lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values) and self.r
-              and not self.minimize_memory):
+        elif fractional:
             # branch and bound starts from the relaxation's heaviest strategies with every layer recomputing: where
             # that fits the budget, it ends with a plan at worst (LLaMA-70B on 128x8 under 80 GB needed 100+ nodes)
             start = round_relaxation(self.problem, {c: values[variables] for c, variables in self.x.items()})
