@@ -268,10 +268,10 @@ def test_the_footprint_ilp_runs_only_for_the_error_the_user_sees(blocks, monkeyp
     real = planner.ShardingILP
 
     class Counting(real):
-        def __init__(self, problem, budget, minimize_memory=False, recompute=None):
+        def __init__(self, problem, budget, minimize_memory=False, recompute=None, **options):
             if minimize_memory:
                 footprints.append(recompute is not None)
-            super().__init__(problem, budget, minimize_memory=minimize_memory, recompute=recompute)
+            super().__init__(problem, budget, minimize_memory=minimize_memory, recompute=recompute, **options)
 
     monkeypatch.setattr(planner, "ShardingILP", Counting)
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=0.99 * without)
