@@ -13,7 +13,7 @@ import pytest
 from metadist.cost import cluster_for
 from metadist.ir import Mesh, Replicate, Shard
 from metadist.ir.plan import Plan
-from metadist.solver import InfeasibleBudgetError, baseline_plan, explain, plan_graph
+from metadist.solver import InfeasibleBudgetError, SolverError, baseline_plan, explain, plan_graph
 from test_solver_helpers import mlp_step
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -252,6 +252,32 @@ def test_repair_moves_a_rounding_that_breaks_the_budget_into_it():
     assert rounded is not None and max(memory_at_peaks(problem, rounded.choice)) <= budget
     assert rounded.objective_s == pytest.approx(objective_s(problem, rounded.choice), rel=1e-12)
     assert rounded.objective_s >= exact.objective_s * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("first_peaks", ["none", "some"])
+def test_peaks_added_to_a_solved_ilp_solve_on_to_the_fresh_ilps_optimum(first_peaks):
+    """The planner adds a plan's true memory peak and solves again: the ILP takes the new peaks' rows into the
+    relaxation it solved and runs on from its basis, with the optimum of an ILP built afresh with every peak."""
+    from metadist.solver.ilp import ShardingILP
+    from metadist.solver.local_search import memory_at_peaks
+    from metadist.solver.problem import build_problem, with_peaks
+
+    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
+    problem = build_problem(graph, rules, H100X8)
+    assert len(problem.peaks) > 1
+    budget = 45 * MIB  # binds (test_the_relaxation_takes_the_memory_rows_only_when_its_optimum_breaks_the_budget)
+    first = with_peaks(problem, () if first_peaks == "none" else problem.peaks[:1])
+    ilp = ShardingILP(first, budget)
+    before = ilp.solve(60.0)
+    assert max(memory_at_peaks(problem, before.choice)) > budget  # the peaks left out break the budget
+    full = with_peaks(first, problem.peaks)
+    ilp.add_peaks(full)
+    after = ilp.solve(60.0)
+    fresh = ShardingILP(full, budget).solve(60.0)
+    assert max(memory_at_peaks(full, after.choice)) <= budget
+    assert after.objective_s == pytest.approx(fresh.objective_s, rel=2e-4)  # both within mip_rel_gap 1e-4
+    with pytest.raises(SolverError, match="same problem with more peaks"):
+        ilp.add_peaks(first)
 
 
 def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch):

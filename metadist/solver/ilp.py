@@ -84,10 +84,10 @@ ACCEPTED_ROUNDING_GAP = 0.05
 MIP_REL_GAP = 1e-4
 """Branch and bound stops when its incumbent is within this fraction of its bound."""
 RECOMPUTE_MIP_REL_GAP = 0.01
-"""The same for the ILP that chooses how many layers recompute (:func:`metadist.solver.planner.plan_graph`): its layers
-are written into the graph and the rewritten graph is planned again, so its own optimum only steers that choice. LLaMA-70B
-on 128x8 under 80 GB: 49-60 s of branch and bound (160 nodes) at 1e-4 against 19-22 s (one node) at 1 %, whose final
-plan cost 0.8 % more."""
+"""The same for the ILP that chooses how many layers recompute (:func:`metadist.solver.planner.plan_graph`) where it
+branches (its relaxation did not finish): its layers are written into the graph and the rewritten graph is planned
+again, so its own optimum only steers that choice. LLaMA-70B on 128x8 under 80 GB: 49-60 s of branch and bound (160
+nodes) at 1e-4 against 19-22 s (one node) at 1 %, whose final plan cost 0.8 % more."""
 MEMORY_ROW_TOLERANCE = 1e-7
 """How far past its bound (in megabytes) a memory row may be in a relaxation solved without the memory rows before
 they are added: HiGHS's own primal feasibility tolerance."""
@@ -131,13 +131,21 @@ def _rowwise(rows: list[tuple[list[int], list[float], float, float]]) -> tuple[n
 
 
 class ShardingILP:
-    """Builds and solves the ILP written out in the module docstring."""
+    """Builds and solves the ILP written out in the module docstring.
+
+    ``mip_rel_gap``: where branch and bound may stop. ``round_recompute_up``: a fractional relaxation with recomputation
+    offered gives its answer at once, each group's layer count rounded up and each class's heaviest strategy, instead
+    of going to branch and bound: for a caller that plans the rewritten graph next (:func:`~.planner.plan_graph`), to
+    which only the layers matter. Rounding up recomputes at most one layer more per group than the relaxation, and
+    only frees more memory; LLaMA-70B on 128x8 under 80 GB: the same 80 layers as branch and bound, which took 11 s more.
+    """
 
     def __init__(self, problem: Problem, memory_budget_bytes: float | None, minimize_memory: bool = False,
-                 recompute: RecomputeTerms | None = None, mip_rel_gap: float = MIP_REL_GAP) -> None:
+                 recompute: RecomputeTerms | None = None, mip_rel_gap: float = MIP_REL_GAP,
+                 round_recompute_up: bool = False) -> None:
         started = time.perf_counter()
         self.problem, self.budget, self.minimize_memory = problem, memory_budget_bytes, minimize_memory
-        self.mip_rel_gap = mip_rel_gap
+        self.mip_rel_gap, self.round_recompute_up = mip_rel_gap, round_recompute_up
         self.recompute = recompute
         self.cost: list[float] = []
         self.upper: list[float] = []
@@ -169,6 +177,29 @@ class ShardingILP:
         self._relaxation: highspy.Highs | None = None
         self._lacking_memory_rows: highspy.Highs | None = None
         """The relaxation solved without the memory rows so far (:meth:`_run_lp`), if any."""
+        self._solve_on = False
+        """The next :meth:`solve` runs the solved relaxation on (:meth:`add_peaks`) instead of building it again."""
+
+    def add_peaks(self, problem: Problem) -> None:
+        """Become the ILP of ``problem``: this one's with memory rows at more peaks (:func:`~.problem.with_peaks`).
+
+        The new peaks' rows join the relaxation already solved, and the next :meth:`solve` runs it on from its basis:
+        the planner adds a plan's true memory peak and solves again, where building and solving the relaxation afresh
+        took 10-12 s on LLaMA-70B's rewritten graph (128x8, 80 GB).
+        """
+        old = self.problem
+        if (problem.graph is not old.graph or problem.units is not old.units or problem.classes != old.classes
+                or not set(old.peaks) <= set(problem.peaks) or self.recompute is not None or self.minimize_memory):
+            raise SolverError("add_peaks takes the same problem with more peaks (with_peaks), for an ILP of strategies only")
+        self.problem, self.memory_rows = problem, []
+        self.memory_budget()
+        highs = self._relaxation
+        if highs is not None and highs is not self._lacking_memory_rows:
+            added = [row for peak, row in zip(problem.peaks, self.memory_rows) if peak not in set(old.peaks)]
+            if added:
+                lower, upper, starts, index, value = _rowwise(added)
+                highs.addRows(len(added), lower, upper, len(index), starts[:-1], index, value)
+        self._solve_on = highs is not None
 
     def _new_variable(self, cost: float, integer: bool, weight: float = 1.0) -> int:
         """A variable of objective coefficient ``weight * cost``; fixed to 0 when ``cost`` is forbidden (inf)."""
@@ -434,7 +465,13 @@ class ShardingILP:
             return Solution(choice={c: 0 for c in self.problem.classes}, objective_s=self.constant_s(),
                             stats=self._stats(0.0, "Optimal", 0.0, 0, "no choices"))
         started = time.perf_counter()
-        highs, method = self._run(time_limit_s, relax=True), "LP relaxation (integral)"
+        method = "LP relaxation (integral)"
+        if self._solve_on:  # peaks added to the relaxation solved last: on from its basis
+            highs, self._solve_on = self._relaxation, False
+            highs.setOptionValue("time_limit", float(time_limit_s))
+            self._run_lp(highs, started + time_limit_s)
+        else:
+            highs = self._run(time_limit_s, relax=True)
         self._relaxation = highs
         lp_status = highs.getModelStatus()
         if lp_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
@@ -450,7 +487,14 @@ class ShardingILP:
                 logger.info("ILP: %s", rounded.stats)
                 return rounded
             start = None if rounded is None else rounded.choice
-            logger.info("ILP: rounding gave %s", None if rounded is None else rounded.stats)
+            logger.info("ILP: branch and bound starts from %s", "the replicated plan" if rounded is None else rounded.stats)
+        elif fractional and self.round_recompute_up:
+            bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
+            choice = round_relaxation(self.problem, {c: values[variables] for c, variables in self.x.items()})
+            stats = self._stats(time.perf_counter() - started, "Feasible", None, 0,
+                                "LP relaxation, recompute counts rounded up")
+            logger.info("ILP: %s", stats)
+            return Solution(choice=choice, objective_s=bound_s, stats=stats, recompute=self._recomputed(values, up=True))
         elif fractional:
             # branch and bound starts from the relaxation's heaviest strategies with every layer recomputing: where
             # that fits the budget, it ends with a plan at worst (LLaMA-70B on 128x8 under 80 GB needed 100+ nodes)
@@ -487,11 +531,13 @@ class ShardingILP:
         return Solution(choice=choice, objective_s=objective / OBJECTIVE_SCALE + self.constant_s(), stats=stats,
                         recompute=recompute)
 
-    def _recomputed(self, values: np.ndarray) -> tuple[int, ...]:
-        """The layers that recompute: of each group, the first ``r[g]`` in layer order (the model prices them alike)."""
+    def _recomputed(self, values: np.ndarray, up: bool = False) -> tuple[int, ...]:
+        """The layers that recompute: of each group, the first ``r[g]`` in layer order (the model prices them alike);
+        ``up``: ``r[g]`` of a relaxation, rounded up."""
         if self.recompute is None:
             return ()
-        chosen = [index for members, r in zip(self.groups, self.r) for index in members[: int(round(values[r]))]]
+        count = (lambda value: math.ceil(value - INTEGRALITY_TOLERANCE)) if up else (lambda value: int(round(value)))
+        chosen = [index for members, r in zip(self.groups, self.r) for index in members[: count(values[r])]]
         return tuple(self.recompute.layers[index] for index in sorted(chosen))
 
     def _stats(self, solve_s: float, status: str, gap: float | None, nodes: int, method: str) -> dict:

@@ -85,13 +85,14 @@ def plan_graph(
     can_recompute = recompute and budget is not None and solver == "ilp"
     footprint = budget_footprint and not can_recompute  # recomputation comes first: the footprint when it fails too
     problem = build_problem(graph, rule_map, cluster, restrictions, missing, bucketing_for(graph, DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes))
+    ilp = None
     try:
         for round_index in range(MAX_PEAK_ROUNDS):
             if round_index:
                 logger.info("true memory peak at position %d breaks the budget: adding it and solving again", position)
                 problem = with_peaks(problem, tuple(sorted({*problem.peaks, position})))
             estimates = _Estimates(problem)
-            solution, ilp = _solve(problem, budget, solver, time_limit_s, beam_width, footprint=footprint)
+            solution, ilp = _solve(problem, budget, solver, time_limit_s, beam_width, footprint=footprint, before=ilp)
             figures = estimates.figures(solution.choice)
             position = figures["memory_peak_position"]
             if budget is None or figures["memory_bytes_peak"] <= budget * (1 + 1e-9) or position in problem.peaks:
@@ -121,9 +122,9 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
                          footprint: bool = True) -> Plan:
     """No plan fits without recomputation: let the ILP choose the layers to recompute, then plan the rewritten graph.
 
-    The ILP (:class:`ShardingILP` with :class:`~.recompute.RecomputeTerms`) gets a binary per repeated layer: recomputing
-    adds the layer's forward compute under the chosen sharding and frees its saved activations at the peaks they span.
-    Its layers are then written into the graph (:func:`~.recompute.apply_recompute`) and the rewritten graph is planned
+    The ILP (:class:`ShardingILP` with :class:`~.recompute.RecomputeTerms`) gets a count per group of alike repeated
+    layers: recomputing adds a layer's forward compute under the chosen sharding and frees its saved activations at the
+    peaks they span. A fractional relaxation gives its counts rounded up (``round_recompute_up``). Its layers are then written into the graph (:func:`~.recompute.apply_recompute`) and the rewritten graph is planned
     as any other, so every reshard of the recomputed forward and the true memory peaks are priced; should the
     ILP's layers still not fit there, every layer recomputes. No layer that can recompute, or no fit even so, is the
     original error, with the smallest footprint recomputation reaches (``footprint``: found by an ILP that minimizes
@@ -138,7 +139,8 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
     every = tuple(layer.layer for layer in candidates)
     problem = with_peaks(problem, tuple(sorted({*problem.peaks, *_peaks_after_recompute(graph, every)})))
     terms = recompute_terms(problem, candidates)
-    solution = ShardingILP(problem, budget, recompute=terms, mip_rel_gap=RECOMPUTE_MIP_REL_GAP).solve(options["time_limit_s"])
+    solution = ShardingILP(problem, budget, recompute=terms, mip_rel_gap=RECOMPUTE_MIP_REL_GAP,
+                           round_recompute_up=True).solve(options["time_limit_s"])
     if solution is None:
         smallest = _smallest(ShardingILP(problem, None, minimize_memory=True, recompute=terms), options["time_limit_s"]) \
             if footprint else None
@@ -212,15 +214,20 @@ def check_device_dtypes(graph: Graph, cluster: Cluster) -> None:
 
 
 def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: float, beam_width: int,
-           footprint: bool = True) -> tuple[Solution, ShardingILP | None]:
+           footprint: bool = True, before: ShardingILP | None = None) -> tuple[Solution, ShardingILP | None]:
     """The search's solution, and its ILP (None for beam search) for :func:`_checked_against_baselines`; raises
     :class:`InfeasibleBudgetError` when nothing fits, with the smallest footprint any plan reaches if ``footprint`` (a
-    second ILP: the caller may go on to recomputation instead, and ask for it then)."""
+    second ILP: the caller may go on to recomputation instead, and ask for it then). ``before``: the last round's ILP,
+    of the same problem with fewer peaks, which solves on (:meth:`ShardingILP.add_peaks`)."""
     ilp = None
     if solver == "beam":
         solution = beam_search(problem, budget, beam_width)
     else:
-        ilp = ShardingILP(problem, budget)
+        if before is None:
+            ilp = ShardingILP(problem, budget)
+        else:
+            ilp = before
+            ilp.add_peaks(problem)
         solution = ilp.solve(time_limit_s)
     if solution is None:
         raise InfeasibleBudgetError(budget, smallest_memory_bytes(problem, time_limit_s) if footprint else None)
