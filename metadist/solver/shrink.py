@@ -113,13 +113,16 @@ def tie_nodes(graph: Graph, min_run_length: int = 2) -> dict[str, str]:
     A run is tied position by position to the earlier leader run sharing the longest common
     prefix of structural signatures (at least ``min_run_length``); runs that match no leader
     become leaders. First and last layers, whose runs carry extra nodes, tie on their prefix.
+    Runs follow a layer's state through its casts and views (``follow_state_copies``): a backward that reads a layer's
+    weights only through their transposes is one run per layer, not one run for every layer below the last (eight
+    blocks of a Linear pair made 78 classes where three made 43; now both 43).
     """
     from .recompute import CLONE_SUFFIX
 
     templates = {gi.value.name: input_template(gi) for gi in graph.inputs}
     representative = {node.name: node.name for node in graph.nodes}
     leaders: list[tuple[list[tuple], list[str]]] = []
-    for _, positions in layer_runs(graph):
+    for _, positions in layer_runs(graph, follow_state_copies=True):
         if len(positions) < min_run_length:
             continue
         names = [graph.nodes[p].name for p in positions]
