@@ -50,14 +50,7 @@ def improve(problem: Problem, choice: Mapping[int, int], budget_bytes: float | N
     """
     allowed = allowed or {}
     choice = dict(choice)
-    touching: dict[int, list[ClassEdge]] = {c: [] for c in problem.classes}
-    for edge in problem.edges:
-        touching[edge.producer].append(edge)
-        touching[edge.consumer].append(edge)
-    charges: dict[int, list[SharedCharge]] = {c: [] for c in problem.classes}
-    for charge in problem.charges:
-        for c in charge_classes(problem, charge):
-            charges[c].append(charge)
+    touching, charges = _neighbourhoods(problem)
     peaks = [(k, coefficients) for k, coefficients in enumerate(problem.memory_bytes)]
     used = memory_at_peaks(problem, choice)
     movable = [c for c in problem.classes if problem.strategy_count(c) > 1]
@@ -99,14 +92,7 @@ def repair(problem: Problem, choice: Mapping[int, int], budget_bytes: float,
     used = memory_at_peaks(problem, choice)
     if max(used, default=0.0) <= budget_bytes:
         return choice
-    touching: dict[int, list[ClassEdge]] = {c: [] for c in problem.classes}
-    for edge in problem.edges:
-        touching[edge.producer].append(edge)
-        touching[edge.consumer].append(edge)
-    charges: dict[int, list[SharedCharge]] = {c: [] for c in problem.classes}
-    for charge in problem.charges:
-        for c in charge_classes(problem, charge):
-            charges[c].append(charge)
+    touching, charges = _neighbourhoods(problem)
     at: dict[int, list[tuple[int, Sequence[float]]]] = {}
     for k, coefficients in enumerate(problem.memory_bytes):
         for c, row in coefficients.items():
@@ -146,6 +132,19 @@ def repair(problem: Problem, choice: Mapping[int, int], budget_bytes: float,
             used[k] += row[s] - row[choice[c]]
         choice[c] = s
     return choice if max(used) <= budget_bytes else None
+
+
+def _neighbourhoods(problem: Problem) -> tuple[dict[int, list[ClassEdge]], dict[int, list[SharedCharge]]]:
+    """Per class: the edges touching it, and the shared charges it takes part in."""
+    touching: dict[int, list[ClassEdge]] = {c: [] for c in problem.classes}
+    for edge in problem.edges:
+        touching[edge.producer].append(edge)
+        touching[edge.consumer].append(edge)
+    charges: dict[int, list[SharedCharge]] = {c: [] for c in problem.classes}
+    for charge in problem.charges:
+        for c in charge_classes(problem, charge):
+            charges[c].append(charge)
+    return touching, charges
 
 
 def _class_s(problem: Problem, edges: Sequence[ClassEdge], choice: Mapping[int, int], c: int, s: int) -> float:

@@ -124,9 +124,10 @@ def _plan_with_recompute(graph: Graph, rules: Mapping[str, Rule], missing: Mappi
 
     The ILP (:class:`ShardingILP` with :class:`~.recompute.RecomputeTerms`) gets a count per group of alike repeated
     layers: recomputing adds a layer's forward compute under the chosen sharding and frees its saved activations at the
-    peaks they span. A fractional relaxation gives its counts rounded up (``round_recompute_up``). Its layers are then written into the graph (:func:`~.recompute.apply_recompute`) and the rewritten graph is planned
-    as any other, so every reshard of the recomputed forward and the true memory peaks are priced; should the
-    ILP's layers still not fit there, every layer recomputes. No layer that can recompute, or no fit even so, is the
+    peaks they span. A fractional relaxation gives its counts rounded up (``round_recompute_up``). Its layers are then
+    written into the graph (:func:`~.recompute.apply_recompute`) and the rewritten graph is planned as any other, so
+    every reshard of the recomputed forward and the true memory peaks are priced; should the ILP's layers still not fit
+    there, every layer recomputes. No layer that can recompute, or no fit even so, is the
     original error, with the smallest footprint recomputation reaches (``footprint``: found by an ILP that minimizes
     memory, run only for this error; ``error`` comes without it, :func:`_solve`).
     """
