@@ -280,6 +280,28 @@ def test_peaks_added_to_a_solved_ilp_solve_on_to_the_fresh_ilps_optimum(first_pe
         ilp.add_peaks(first)
 
 
+def test_a_budget_below_every_peaks_floor_is_infeasible_with_nothing_solved(monkeypatch):
+    """Each class at its smallest at a peak bounds that peak from below: over the budget, no plan fits, and HiGHS is not
+    run to find out; the floor never exceeds what the memory-minimizing ILP reaches."""
+    from metadist.solver.ilp import ShardingILP
+    from metadist.solver.planner import smallest_memory_bytes
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
+    problem = build_problem(graph, rules, H100X8)
+    smallest = smallest_memory_bytes(problem)
+    floor = max(ShardingILP(problem, None).memory_floor_bytes())
+    assert 0 < floor <= smallest * (1 + 1e-9)
+
+    def no_highs(*args, **kwargs):
+        raise AssertionError("HiGHS ran")
+
+    monkeypatch.setattr(ShardingILP, "_run", no_highs)
+    assert ShardingILP(problem, 0.9 * floor).solve(60.0) is None
+    with pytest.raises(AssertionError, match="HiGHS ran"):  # a budget above the floor is left to the solver
+        ShardingILP(problem, 1.1 * smallest).solve(60.0)
+
+
 def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch):
     from metadist.solver.ilp import ShardingILP, Solution
     from metadist.solver.local_search import objective_s
