@@ -137,6 +137,7 @@ class WorkerPool:
             if worker is not None:
                 worker.close()
 
+
 class _Worker:
     """One worker process and its pipes."""
 

@@ -195,7 +195,8 @@ class ShardingILP:
         self.memory_budget()
         highs = self._relaxation
         if highs is not None and highs is not self._lacking_memory_rows:
-            added = [row for peak, row in zip(problem.peaks, self.memory_rows) if peak not in set(old.peaks)]
+            known = set(old.peaks)
+            added = [row for peak, row in zip(problem.peaks, self.memory_rows) if peak not in known]
             if added:
                 lower, upper, starts, index, value = _rowwise(added)
                 highs.addRows(len(added), lower, upper, len(index), starts[:-1], index, value)
@@ -436,7 +437,7 @@ class ShardingILP:
             if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
                 return None
             values = np.array(highs.getSolution().col_value)
-            bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
+            bound_s = self._bound_s(highs)
         finally:
             highs.changeColsBounds(len(fixed), fixed, np.zeros(len(fixed)), np.ones(len(fixed)))
         if self._integral(values):
@@ -453,6 +454,10 @@ class ShardingILP:
         relaxation took 5-6 s to find it infeasible)."""
         return [constant + sum(min(row) for row in coefficients.values())
                 for coefficients, constant in zip(self.problem.memory_bytes, self.problem.memory_constant_bytes)]
+
+    def _bound_s(self, highs: highspy.Highs) -> float:
+        """The solved relaxation's objective in seconds, the single-strategy classes' included: a bound below every plan's."""
+        return float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
 
     def _integral(self, values: np.ndarray) -> bool:
         binaries = [i for i, flag in enumerate(self.integer) if flag]
@@ -494,24 +499,23 @@ class ShardingILP:
         fractional = (lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values)
                       and not self.minimize_memory)
         if fractional and not self.r:  # rounding knows strategies only: a relaxation with recomputation goes to branch and bound
-            bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
-            rounded = self.rounded(values, bound_s, started)
+            rounded = self.rounded(values, self._bound_s(highs), started)
             if rounded is not None and rounded.stats["mip_gap"] <= ACCEPTED_ROUNDING_GAP:
                 logger.info("ILP: %s", rounded.stats)
                 return rounded
             start = None if rounded is None else rounded.choice
             logger.info("ILP: branch and bound starts from %s", "the replicated plan" if rounded is None else rounded.stats)
-        elif fractional and self.round_recompute_up:
-            bound_s = float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
-            choice = round_relaxation(self.problem, {c: values[variables] for c, variables in self.x.items()})
-            stats = self._stats(time.perf_counter() - started, "Feasible", None, 0,
-                                "LP relaxation, recompute counts rounded up")
-            logger.info("ILP: %s", stats)
-            return Solution(choice=choice, objective_s=bound_s, stats=stats, recompute=self._recomputed(values, up=True))
         elif fractional:
+            heaviest = round_relaxation(self.problem, {c: values[variables] for c, variables in self.x.items()})
+            if self.round_recompute_up:
+                stats = self._stats(time.perf_counter() - started, "Feasible", None, 0,
+                                    "LP relaxation, recompute counts rounded up")
+                logger.info("ILP: %s", stats)
+                return Solution(choice=heaviest, objective_s=self._bound_s(highs), stats=stats,
+                                recompute=self._recomputed(values, up=True))
             # branch and bound starts from the relaxation's heaviest strategies with every layer recomputing: where
             # that fits the budget, it ends with a plan at worst (LLaMA-70B on 128x8 under 80 GB needed 100+ nodes)
-            start = round_relaxation(self.problem, {c: values[variables] for c, variables in self.x.items()})
+            start = heaviest
         if lp_status != highspy.HighsModelStatus.kOptimal and start is None:
             # the relaxation did not finish in time: branch and bound starts from every class's first strategy (the
             # replicated one: strategy sets start with it), so that it ends with that plan at worst instead of none;

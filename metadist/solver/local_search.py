@@ -105,8 +105,7 @@ def repair(problem: Problem, choice: Mapping[int, int], budget_bytes: float,
         for c in movable:
             current = choice[c]
             rows = at[c]
-            over = [(k, row) for k, row in rows if used[k] > budget_bytes]
-            if not over:
+            if all(used[k] <= budget_bytes for k, _ in rows):  # at no peak over the budget: moving it removes nothing
                 continue
             seconds_row = None
             for s in range(problem.strategy_count(c)):
