@@ -130,6 +130,40 @@ def test_compute_is_priced_at_the_rates_of_its_dtype():
     assert Cluster.from_dict(json.loads(Cluster(mesh=mesh, device=curved, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),)).to_json())).device == curved
 
 
+def test_an_op_that_computes_more_than_it_moves_is_priced_at_its_measured_rate_per_element():
+    """``tanh``, ``exp``, softmax and the like run far below the elementwise roofline on a CPU: a calibrated device's
+    seconds per element price them (on the local output), a floor under the roofline, beyond the per-op overhead."""
+    from metadist.cost.calibrate import cluster_from_report
+    from metadist.cost.cluster import Device
+
+    device = Device(peak_flops_per_s=1e11, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9,
+                    op_overhead_s=4e-6, op_element_seconds={"tanh": 3e-9, "exp": 1e-12})
+    spec = TensorSpec((8, 1 << 16), "float32")
+    replicated = NodeStrategy(choices=(AxisChoice("replicate"),), inputs=((Replicate(),),), outputs=((Replicate(),),))
+    split = NodeStrategy(choices=(AxisChoice("factor", 0),), inputs=((Shard(0),),), outputs=((Shard(0),),))
+    mesh = Mesh((2,))
+    tanh, exp, neg = (Work(flops=float(spec.numel), op=name) for name in ("tanh", "exp", "neg"))
+    assert compute_seconds(tanh, [spec], [spec], replicated, mesh, device) == pytest.approx(4e-6 + spec.numel * 3e-9)
+    assert compute_seconds(tanh, [spec], [spec], split, mesh, device) == pytest.approx(4e-6 + spec.numel / 2 * 3e-9)
+    roofline = 2 * spec.nbytes / 2e10  # exp's measured rate is below its bytes' time: the roofline stands
+    assert compute_seconds(exp, [spec], [spec], replicated, mesh, device) == pytest.approx(4e-6 + roofline)
+    assert compute_seconds(neg, [spec], [spec], replicated, mesh, device) == pytest.approx(4e-6 + roofline)  # not measured
+    assert device.element_seconds("tanh") == 3e-9 and device.element_seconds("neg") == 0.0
+    # a captured node's work names its op; the figures survive a cluster JSON and come from the calibration report
+    graph, _ = mlp_step(8, 16, 32)
+    assert node_work(graph, graph.node("relu_1")).op == "relu" and node_work(graph, graph.node("mm_0")).op == "mm"
+    fields = {name: getattr(device, name) for name in device.__dataclass_fields__}
+    assert Device(**{**fields, "op_element_seconds": [["exp", 1e-12], ["tanh", 3e-9]]}) == device
+    one_axis = Cluster(mesh=mesh, device=device, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),))
+    assert Cluster.from_dict(json.loads(one_axis.to_json())).device.element_seconds("tanh") == 3e-9
+    with pytest.raises(ClusterError, match="per element"):
+        Device(**{**fields, "op_element_seconds": {"tanh": -1e-9}})
+    report = {"backend": "gloo", "memory_capacity_bytes": 1e9, "measurements": [],
+              "device": {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 2e10, "op_overhead_s": 4e-6,
+                         "op_element_s:tanh": 3e-9, "op_element_s:_log_softmax": 7e-10}}
+    assert cluster_from_report(report, mesh).device.op_element_seconds == (("_log_softmax", 7e-10), ("tanh", 3e-9))
+
+
 def test_a_skinny_matmul_takes_its_large_operand_at_the_stream_rate():
     from metadist.cost.cluster import Device
 
@@ -258,6 +292,13 @@ def test_calibrate_measures_gloo_on_two_processes():
     # and the rate a few-row matmul passes over its large operand, per dtype (version 4)
     assert {dtype for dtype, _ in device.matmul_stream_bytes_per_s_by_dtype} == {"float32", "bfloat16", "float16"}
     assert device.matmul_stream_s("float32", 1.0) == 1.0 / report["device"]["matmul_stream_bytes_per_s"]
+    # and the seconds per element of the ops that compute more than they move (version 5)
+    from metadist.cost.calibrate_worker import _element_ops
+    import torch
+
+    assert {op for op, _ in device.op_element_seconds} == set(_element_ops(torch.device("cpu")))
+    assert all(seconds > 0 for _, seconds in device.op_element_seconds)
+    assert device.element_seconds("tanh") == report["device"]["op_element_s:tanh"]
 
 
 # ---------------------------------------------------------------- bucketed collectives

@@ -406,3 +406,43 @@ def test_an_op_without_a_fake_kernel_is_named_with_the_way_out():
     message = str(caught.value)
     assert "metadist_test_nofake.double" in message and "no fake (meta) kernel" in message, message
     assert "in module '1' (Doubler)" in message and "register_fake" in message, message
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_mean_cross_entropy_counts_its_targets_from_the_targets_and_matches_eager_exactly(weighted):
+    """The mean ``nll_loss`` is captured as its sum over the total weight. Without class weights the total weight is
+    the count of targets not ignored, taken from the targets themselves (a plan can count them where the batch is
+    whole, with no all-reduce in the middle of the step); with class weights it stays the op's own output. Both give
+    the eager step's loss, gradients and update bit for bit, ignored targets included."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    model.criterion = torch.nn.CrossEntropyLoss(  # the class weights: a buffer of the model
+        weight=torch.tensor([1.0, 0.5, 2.0, 1.5, 0.25]) if weighted else None, ignore_index=-100)
+
+    def step(model, optimizer, batch):
+        loss = model.criterion(model.net(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    batch = {"x": torch.randn(12, 8), "y": torch.tensor([0, 1, -100, 3, 4, -100, 2, 2, 1, 0, -100, 3])}
+    eager_model, graph_model = model, copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=0.1)
+    graph_opt = torch.optim.AdamW(graph_model.parameters(), lr=0.1)
+    captured = capture_step(step, graph_model, graph_opt, batch)
+    graph = captured.graph
+    backward = next(node for node in graph.nodes if node.op.target == "aten.nll_loss_backward.default")
+    count = graph.producer(backward.input_names[-1])
+    while count.op.target == "aten._to_copy.default":
+        count = graph.producer(count.input_names[0])
+    assert count.op.target == ("aten.nll_loss_forward.default" if weighted else "aten.sum.default")
+    if not weighted:
+        assert graph.producer(count.input_names[0]).op.target == "aten.ne.Scalar"
+    for _ in range(3):
+        eager_loss = step(eager_model, eager_opt, batch)
+        graph_loss = captured.run(graph_model, graph_opt, batch)
+        assert torch.equal(graph_loss, eager_loss)
+    for eager, graph_param in zip(eager_model.parameters(), graph_model.parameters()):
+        assert torch.equal(graph_param, eager)

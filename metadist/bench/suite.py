@@ -2,7 +2,10 @@
 
     python -m metadist.bench.suite [--nproc 4] [--models mlp,gpt2-tiny,...] [--skip-scale] [--docs docs]
 
-Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
+The machine is calibrated again first, for each process count the entries run on (``metadist calibrate
+--nproc N``, the figures MetaDist's plans and the predicted column are priced with): a calibration cached on
+another day may have met a machine of another speed (this project's shared 2-core machine ran matmuls at 49 and
+at 94 GFLOP/s within the same hour). ``--keep-calibration`` plans with the cached one. Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
 files land in ``docs/bench/results/``, the scale study in ``docs/bench/scale_study.json``, and the
 page and its plots are written from them (:mod:`.report`).
 """
@@ -70,6 +73,11 @@ def harness_argv(entry: SuiteEntry, nproc: int, steps: int, out: Path) -> list[s
     return argv + (["--mesh", mesh] if mesh else [])
 
 
+def calibrate_argv(nproc: int) -> list[str]:
+    """``metadist calibrate --nproc N``: measures this machine now and replaces its cached calibration."""
+    return [sys.executable, "-m", "metadist.cli.main", "calibrate", "--nproc", str(nproc)]
+
+
 def _run(argv: list[str]) -> bool:
     """Run one step of the suite; a failure is logged and the suite goes on with the next."""
     log.info("running: %s", shlex.join(argv))
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-scale", action="store_true", help="keep the existing scale study file")
     parser.add_argument("--skip-measure", action="store_true", help="keep the existing result files")
     parser.add_argument("--docs", type=Path, default=Path("docs"))
+    parser.add_argument("--keep-calibration", action="store_true",
+                        help="plan with this machine's cached calibration instead of measuring it again first")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     results = args.docs / "bench" / "results"
@@ -95,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.models.split(","))
     commands = []
     if not args.skip_measure:
-        for entry in DEFAULT_ENTRIES:
-            if entry.slug in wanted or entry.model in wanted:
-                nproc = entry.nproc or args.nproc
-                _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"))
+        entries = [entry for entry in DEFAULT_ENTRIES if entry.slug in wanted or entry.model in wanted]
+        for nproc in [] if args.keep_calibration else sorted({entry.nproc or args.nproc for entry in entries}):
+            _run(calibrate_argv(nproc))
+        for entry in entries:
+            nproc = entry.nproc or args.nproc
+            _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"))
     scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
     commands.append(shlex.join(["python", *scale_argv[1:]]))
     if not args.skip_scale:

@@ -162,6 +162,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         matmul_curves=_curves(figures, "matmul_curve"), elementwise_curves=_curves(figures, "elementwise_curve"),
         matmul_stream_bytes_per_s_by_dtype=_stream_rates(figures),
         op_overhead_s=runtime_op_overhead(figures),
+        op_element_seconds=_by_dtype(figures, "op_element_s:"),
         eager_op_overhead_s=eager_op_overhead(figures),
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
@@ -239,10 +240,11 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
-(the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls). A cache
+(the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
+compute more than they move (exp, tanh, softmax...: ``Device.op_element_seconds``). A cache
 of an older version is measured again, not read."""
 
 

@@ -3,8 +3,9 @@
 Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each mesh axis's
 process groups for several message sizes (gloo on CPU, NCCL with CUDA). Then every rank, all at
 once (as they compute in a training step, sharing the machine's cores), times float32 matmuls
-(FLOP/s), a memory-bound elementwise add (bytes/s) and a stream of tiny ops (the fixed cost of one
-op); the slowest rank's figures are kept. Two figures are measured through the runtime itself
+(FLOP/s), a memory-bound elementwise add (bytes/s), a stream of tiny ops (the fixed cost of one
+op) and the ops that compute more than they move (exp, tanh, softmax: seconds per element); the
+slowest rank's figures are kept. Two figures are measured through the runtime itself
 (:func:`_runtime_figures`): a small captured training step (an MLP with AdamW, compiled by
 ``metadist.compile`` with every rank running the whole step) timed on every rank at once gives the
 seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
@@ -21,6 +22,7 @@ import json
 import logging
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,6 +108,43 @@ ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20)
 """Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte)."""
 
 
+ELEMENT_OP_SHAPE = (256, 1024)
+"""The float32 operands of the ops whose seconds per element are measured (:func:`_element_ops`): 2^18 elements, past
+the caches' help (1 MiB an operand) and short enough to time in a few milliseconds."""
+
+
+def _element_ops(device: torch.device) -> dict[str, Any]:
+    """Ops whose kernels compute more than they move (transcendental functions, softmax and their backwards), by
+    :func:`metadist.cost.compute.op_name`, each a call on :data:`ELEMENT_OP_SHAPE` float32 operands."""
+    aten = torch.ops.aten
+    x = torch.randn(*ELEMENT_OP_SHAPE, device=device)
+    positive, grad = x.abs() + 0.5, torch.randn_like(x)
+    soft, log_soft = torch.softmax(x, -1), torch.log_softmax(x, -1)
+    return {
+        "exp": lambda: aten.exp.default(x), "expm1": lambda: aten.expm1.default(x),
+        "log": lambda: aten.log.default(positive), "log1p": lambda: aten.log1p.default(positive),
+        "sqrt": lambda: aten.sqrt.default(positive), "rsqrt": lambda: aten.rsqrt.default(positive),
+        "tanh": lambda: aten.tanh.default(x), "sigmoid": lambda: aten.sigmoid.default(x),
+        "erf": lambda: aten.erf.default(x), "sin": lambda: aten.sin.default(x), "cos": lambda: aten.cos.default(x),
+        "gelu": lambda: aten.gelu.default(x), "gelu_backward": lambda: aten.gelu_backward.default(grad, x),
+        "silu": lambda: aten.silu.default(x), "silu_backward": lambda: aten.silu_backward.default(grad, x),
+        "_softmax": lambda: aten._softmax.default(x, -1, False),
+        "_log_softmax": lambda: aten._log_softmax.default(x, -1, False),
+        "_softmax_backward_data": lambda: aten._softmax_backward_data.default(grad, soft, -1, torch.float32),
+        "_log_softmax_backward_data": lambda: aten._log_softmax_backward_data.default(grad, log_soft, -1, torch.float32),
+    }
+
+
+def _element_seconds(device: torch.device) -> dict[str, float]:
+    """``op_element_s:OP``: seconds per output element of each of :func:`_element_ops`, less the fixed cost of one
+    call (timed on a single element), which ``op_overhead_s`` prices."""
+    one = torch.ones(1, device=device)
+    floor = _per_call_seconds(lambda: torch.ops.aten.exp.default(one), device)
+    elements = ELEMENT_OP_SHAPE[0] * ELEMENT_OP_SHAPE[1]
+    return {f"op_element_s:{name}": 1.0 / _net_rate(elements, _per_call_seconds(call, device), floor)
+            for name, call in _element_ops(device).items()}
+
+
 def _roofline(device: torch.device) -> dict[str, float]:
     """This rank's rates and its fixed seconds per op (run on every rank at once).
 
@@ -114,7 +153,9 @@ def _roofline(device: torch.device) -> dict[str, float]:
     :data:`ELEMENTWISE_SIZES` (``elementwise_curve:DTYPE:BYTES``), both less the fixed cost of one call (timed on
     a single element), which ``op_overhead_s`` prices; the largest size's figures are the dtype's peaks
     (``peak_flops_per_s``, ``memory_bandwidth_bytes_per_s``, with ``_DTYPE`` for the narrow ones); and the bytes/s at
-    which a matmul of few rows passes over its large operand (``matmul_stream_bytes_per_s``, :func:`_matmul_stream`).
+    which a matmul of few rows passes over its large operand (``matmul_stream_bytes_per_s``, :func:`_matmul_stream`);
+    and the seconds per element of the ops that compute more than they move (``op_element_s:OP``,
+    :func:`_element_seconds`).
     """
     figures: dict[str, float] = {}
     for dtype in (torch.float32, *NARROW_DTYPES):
@@ -134,6 +175,7 @@ def _roofline(device: torch.device) -> dict[str, float]:
         sync()
 
     figures["op_overhead_s"] = 1.0 / _rate(400, tiny_ops, 5)
+    figures.update(_element_seconds(device))
     return figures
 
 
@@ -221,14 +263,15 @@ def _tiny_op_chain(length: int) -> torch.nn.Module:
 def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float]:
     """Every rank's figures -> the slowest rank's (lowest rates, highest overhead)."""
     keys = sorted(figures)
-    sign = [1.0 if key in _SECONDS else -1.0 for key in keys]
+    sign = [1.0 if key in _SECONDS or key.startswith("op_element_s:") else -1.0 for key in keys]
     values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
 
 
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s"})
-"""Figures that are times (the slowest rank has the largest); the others are rates (the smallest)."""
+"""Figures that are times (the slowest rank has the largest), with every ``op_element_s:OP``; the others are rates
+(the smallest)."""
 
 
 class _CalibrationMLP(torch.nn.Module):

@@ -128,6 +128,12 @@ class Device:
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
+    op_element_seconds: tuple[tuple[str, float], ...] = ()
+    """Measured seconds per output element of ops whose kernels compute more than they move, as (op name, seconds)
+    pairs (``exp``, ``tanh``, ``_log_softmax``...: :func:`~.compute.op_name` names; measured in float32 by
+    ``metadist calibrate`` on CPUs, where a ``tanh`` takes ~18x the time its bytes take at the elementwise rate). A
+    node of a listed op takes at least its local output elements at that rate, beyond ``op_overhead_s``; empty for
+    the presets (a GPU's special-function units keep such ops near the memory roofline)."""
     eager_op_overhead_s: float = 0.0
     """The fixed cost per node of the captured graph when torch runs the same step eagerly (fused optimizer kernels,
     scalars as Python floats): what a baseline that runs the model itself (torch DDP, FSDP) pays; measured by
@@ -145,11 +151,15 @@ class Device:
         object.__setattr__(self, "matmul_curves", matmul)
         object.__setattr__(self, "elementwise_curves", elementwise)
         object.__setattr__(self, "_rates", {})  # (curve kind, dtype, size) -> rate: compute_seconds asks often
+        elements = _dtype_pairs(self.op_element_seconds)
+        object.__setattr__(self, "op_element_seconds", elements)
+        object.__setattr__(self, "_element_seconds", dict(elements))
         figures = (self.peak_flops_per_s, self.memory_bandwidth_bytes_per_s, self.memory_capacity_bytes,
                    *(v for _, v in pairs), *(v for _, v in bandwidths), *(v for _, v in streams),
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
-        if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0:
-            raise ClusterError(f"device figures must be positive (op overhead >= 0), got {self}")
+        if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
+                or not all(seconds >= 0 for _, seconds in elements):
+            raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0), got {self}")
 
     def flops_per_s(self, dtype: str, flops: float | None = None) -> float:
         """FLOP/s of work in ``dtype`` (a MetaIR dtype name): at ``flops`` on the dtype's measured curve, if it has
@@ -180,6 +190,10 @@ class Device:
             if name == dtype:
                 return rate
         return self.memory_bandwidth_bytes_per_s
+
+    def element_seconds(self, op: str) -> float:
+        """Measured seconds per output element of ``op`` (an :func:`~.compute.op_name`); 0 when not measured."""
+        return self._element_seconds.get(op, 0.0)
 
     def matmul_stream_s(self, dtype: str, operand_bytes: float) -> float:
         """The least seconds a matmul in ``dtype`` whose larger operand holds ``operand_bytes`` (locally) takes: that

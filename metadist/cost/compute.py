@@ -13,6 +13,10 @@ at its local FLOPs and bytes. A matmul also takes at least its larger operand's 
 few rows passes over it (``Device.matmul_stream_bytes_per_s_by_dtype``): a skinny matmul (8 rows against a 4096-square
 float32 weight on this project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by
 it.
+Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softmax and its backward, ``gelu``...) run
+far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.6 ns an element on this project's machine, where
+its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
+(``Device.op_element_seconds``), and a node of one is priced at least at that rate on its local output elements.
 View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
 (every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw). Every
 node, views included, also pays the device's fixed ``op_overhead_s`` (dispatch: a few microseconds per op on a CPU
@@ -52,6 +56,9 @@ class Work:
     """A random op: every rank draws the whole output and keeps its slice (the torch runtime's
     :func:`metadist.runtime.random_ops.draw_random`, so that each shard holds the values one device would draw), so
     its work and the bytes it writes are the whole node's under any strategy."""
+    op: str = ""
+    """The op's name (:func:`op_name`): a device that measured this op's seconds per output element
+    (:meth:`~.cluster.Device.element_seconds`) prices the node at least at that rate."""
 
 
 def _prod(values: Sequence[int]) -> int:
@@ -118,10 +125,10 @@ def node_work(graph: Graph, node: Node) -> Work:
     if formula is not None and outs:
         operands = _OPERANDS.get(name)
         try:
-            return Work(flops=formula(ins, outs), operands=operands if operands and operands[1] < len(ins) else None)
+            return Work(flops=formula(ins, outs), operands=operands if operands and operands[1] < len(ins) else None, op=name)
         except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
             pass
-    return Work(flops=float(sum(_prod(shape) for shape in outs)))
+    return Work(flops=float(sum(_prod(shape) for shape in outs)), op=name)
 
 
 def split_degree(strategy: NodeStrategy, mesh: Mesh) -> int:
@@ -193,6 +200,11 @@ def compute_seconds(
     roofline = max(flops / device.flops_per_s(dtype, flops), memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:
         roofline = max(roofline, device.matmul_stream_s(dtype, max(input_bytes[i] for i in work.operands)))
+    per_element = device.element_seconds(work.op) if work.op else 0.0
+    if per_element:  # an op whose kernel computes more than it moves (exp, tanh, softmax): its measured rate
+        roofline = max(roofline, per_element * sum(
+            local_nbytes(spec, sharding, mesh) / spec.itemsize
+            for spec, sharding in zip(output_specs, strategy.outputs) if spec is not None and sharding is not None))
     return device.op_overhead_s + roofline
 
 

@@ -542,11 +542,19 @@ _MEAN_REDUCTION = 1
 
 def _nll_loss_mean_as_sum(input, target, weight, reduction, ignore_index):
     """A mean-reduced ``nll_loss`` as its sum over the total weight, which is what the kernel computes
-    (bit for bit). The sum and the total weight both split over the batch (``Partial(sum)``); a mean
-    of per-shard means would not, so the split form lets the loss be computed sharded."""
+    (bit for bit). The sum splits over the batch (``Partial(sum)``); a mean of per-shard means would
+    not, so the split form lets the loss be computed sharded.
+
+    Without class weights the total weight is the count of targets not ignored, the kernel's
+    ``static_cast<scalar_t>(count)``: it is computed here from the targets alone, so that a plan can
+    count them where the whole batch is at hand. Taken from the op's own output, it would be a partial
+    sum of the sharded op, all-reduced in the middle of the step (the backward divides by it) where
+    every rank waits for the others; now only the loss itself is reduced, for the step's output."""
     if reduction != _MEAN_REDUCTION:
         return NotImplemented
     total, total_weight = aten.nll_loss_forward.default(input, target, weight, 2, ignore_index)
+    if weight is None:
+        total_weight = aten.sum.default(aten.ne.Scalar(target, ignore_index)).to(total_weight.dtype)
     return total / total_weight, total_weight
 
 
