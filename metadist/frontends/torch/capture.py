@@ -336,15 +336,30 @@ def loss_divisor_of(graph: Graph) -> str | None:
     division = graph.producer(losses[0].name)
     if division is None or division.op.target != "aten.div.Tensor" or len(division.input_names) != 2:
         return None
-    divisor = division.input_names[1]
-    loss_node = graph.producer(divisor)
+    total, divisor = division.input_names
+    loss_node = graph.producer(total)
     if loss_node is None or loss_node.op.target != "aten.nll_loss_forward.default":
         return None
     weighted = len(loss_node.args) > 2 and loss_node.args[2] is not None
-    if weighted or loss_node.outputs[1] is None or loss_node.outputs[1].name != divisor:
+    if weighted or loss_node.outputs[0] is None or loss_node.outputs[0].name != total:
         return None
-    total = loss_node.outputs[0]
-    return divisor if total is not None and division.input_names[0] == total.name else None
+    if loss_node.outputs[1] is not None and loss_node.outputs[1].name == divisor:
+        return divisor
+    return divisor if _counts_targets(graph, divisor, loss_node) else None
+
+
+def _counts_targets(graph: Graph, divisor: str, loss_node) -> bool:
+    """Whether ``divisor`` is the count of ``loss_node``'s targets not ignored, as :func:`_nll_loss_mean_as_sum`
+    writes it: ``(target != ignore_index).sum()``, cast to the loss's dtype."""
+    node = graph.producer(divisor)
+    while node is not None and node.op.target == "aten._to_copy.default":
+        node = graph.producer(node.input_names[0])
+    if node is None or node.op.target != "aten.sum.default":
+        return False
+    compare = graph.producer(node.input_names[0])
+    return (compare is not None and compare.op.target == "aten.ne.Scalar" and len(compare.args) == 2
+            and len(loss_node.args) > 4 and compare.input_names[0] == loss_node.input_names[1]
+            and compare.args[1] == loss_node.args[4])
 
 
 class _Pass1:
