@@ -370,7 +370,9 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
             computing_then_reducing()
         dist.barrier()
         alone, extra = [], []
-        for _ in range(3 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+        # interleaved, so that a change of the machine's load hits both alike; 135 pairs (~0.3 s): the difference is
+        # a few tenths of a millisecond to a few, and its median over 45 pairs moved 2x between two calibrations
+        for _ in range(9 * repeats):
             alone.append(_median_seconds(computing, 1))
             extra.append(_median_seconds(computing_then_reducing, 1) - alone[-1])
         figures.update(compute_phase_s=statistics.median(alone), in_step_collective_s=max(statistics.median(extra), 0.0))
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 4 or 2x2")
     parser.add_argument("--sizes", default="4096,65536,1048576,4194304", help="message sizes in bytes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=21, help="timed calls per collective and size (the median is kept)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available()
