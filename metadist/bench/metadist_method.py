@@ -147,8 +147,11 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     solve_s = time.perf_counter() - started
     started = time.perf_counter()
     device_mesh = init_device_mesh(ctx.device.type, tuple(ctx.mesh_shape))
+    from ..config import settings_from_env
+
     compiled = api["CompiledStep"](planned.torch_step, plan, device_mesh, metadist_version=api["version"],
-                                   overlap=method not in SYNC_METHODS)
+                                   overlap=method not in SYNC_METHODS,
+                                   keep_host_memory=settings_from_env().host_heap == "keep")
     lowering_s = time.perf_counter() - started
     batch = workload.batch
     world = ctx.world_size

@@ -89,6 +89,7 @@ def with_recompute(torch_step: TorchStep, layers: tuple[int, ...]) -> TorchStep:
 def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh, options: StepOptions) -> tuple[CompiledStep, str]:
     """This rank's compiled step for ``torch_step`` on ``device_mesh``, and the hash of the plan all ranks agreed on."""
     from .. import __version__
+    from ..config import settings_from_env
 
     plan = load_plan(options.plan, torch_step, mesh, __version__, options.memory_budget_bytes, options.cluster,
                      bucket_cap_bytes=options.bucket_cap_bytes, pinned=options.pinned)
@@ -99,6 +100,6 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
             torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
             compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
             bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap, batch_mode=options.batch_mode,
-            verify_batch=options.verify_batch,
+            verify_batch=options.verify_batch, keep_host_memory=settings_from_env().host_heap == "keep",
         )
     return compiled, plan_hash

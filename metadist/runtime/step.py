@@ -38,6 +38,7 @@ from .checkpoint import dtensor_placements
 from .collectives import Collectives, run_steps
 from .errors import RunInputError, RuntimeSetupError
 from .graph_module import CheckingInterpreter, build_rank_module
+from .host_memory import keep_freed_host_memory
 from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
 from .outside import enable_outside_forward
 from .precision_check import check_device_precision
@@ -72,6 +73,7 @@ class CompiledStep:
         overlap: bool = True,
         batch_mode: str = "global",
         verify_batch: str = "first",
+        keep_host_memory: bool = True,
     ) -> None:
         """``check_shapes`` runs the program op by op and names the MetaIR node that fails (slower);
         ``compile_backend`` runs it through ``torch.compile`` with that backend (e.g. ``inductor`` on GPUs);
@@ -79,7 +81,9 @@ class CompiledStep:
         ``bucket_cap_bytes`` caps the lowering's coalesced collectives (None: the default, 0: no coalescing);
         ``overlap`` issues each collective early and waits for it right before its first reader (False: each
         runs to completion where it stands); ``batch_mode`` is one of :data:`BATCH_MODES`; ``verify_batch``
-        (``first``, ``always`` or ``never``) says when a global batch is checked to be the same on every rank."""
+        (``first``, ``always`` or ``never``) says when a global batch is checked to be the same on every rank;
+        ``keep_host_memory``: on CPU, have the C library keep freed memory for reuse (the program allocates every
+        updated tensor anew; :mod:`.host_memory`)."""
         if check_shapes and compile_backend:
             raise RunInputError("check_shapes runs the program op by op; it cannot be combined with torch.compile")
         if batch_mode not in BATCH_MODES:
@@ -104,6 +108,8 @@ class CompiledStep:
         # torch.compile traces the functional collectives; run as is, the rank calls torch.distributed itself
         self.comm = Collectives.from_device_mesh(device_mesh, direct=compile_backend is None)
         self.device = _device_of(device_mesh)
+        if keep_host_memory and self.device.type == "cpu":
+            keep_freed_host_memory()
         self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values,
                                         batch=not check_shapes)
         log.info("rank at %s: %d instructions, %d reshards, on %s", self.coords, len(self.program.instructions),

@@ -1,0 +1,62 @@
+"""A compiled step on CPU has glibc keep freed memory for reuse (runtime/host_memory.py), unless the user says not."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from metadist.config import HOST_HEAP_ENV, settings_from_env
+
+
+def test_the_host_heap_setting_is_read_and_checked():
+    assert settings_from_env({}).host_heap == "keep"
+    assert settings_from_env({HOST_HEAP_ENV: "system"}).host_heap == "system"
+    with pytest.raises(ValueError, match="METADIST_HOST_HEAP='mmap': choose one of keep, system"):
+        settings_from_env({HOST_HEAP_ENV: "mmap"})
+
+
+def _is_glibc() -> bool:
+    try:
+        ctypes.CDLL(None).gnu_get_libc_version
+    except (OSError, AttributeError):
+        return False
+    return platform.system() == "Linux"
+
+
+@pytest.mark.skipif(not _is_glibc(), reason="mallopt's parameters are glibc's")
+def test_glibc_serves_a_large_allocation_from_the_heap_once_the_setting_is_in_force():
+    """With the setting, a 64 MiB block (past glibc's largest mmap threshold, 32 MiB) comes from the heap, and once
+    freed the same block is handed out again; by default it is a mapping of its own, outside the heap."""
+    script = """
+import ctypes, sys
+from metadist.runtime.host_memory import keep_freed_host_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def in_heap(address):
+    for line in open('/proc/self/maps'):
+        if line.rstrip().endswith('[heap]'):
+            low, high = (int(part, 16) for part in line.split()[0].split('-'))
+            if low <= address < high:
+                return 1
+    return 0
+if sys.argv[1] == 'keep':
+    assert keep_freed_host_memory() and keep_freed_host_memory()  # once per process; True again
+first = libc.malloc(64 << 20)
+heap = in_heap(first)
+libc.free(first)
+second = libc.malloc(64 << 20)
+print(heap, int(first == second))
+"""
+    results = {}
+    for mode in ("keep", "system"):
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        results[mode] = tuple(int(part) for part in done.stdout.split())
+    assert results["keep"] == (1, 1)  # from the heap; the freed block reused
+    assert results["system"][0] == 0  # glibc's default: a mapping of its own, unmapped when freed
