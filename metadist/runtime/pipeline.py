@@ -120,7 +120,9 @@ class PipelineStep:
     """
 
     def __init__(self, torch_step: Any, plan: PipelinePlan, device_mesh: Any, *, whole_graph: Graph | None = None,
-                 bucket_cap_bytes: int | None = None, overlap: bool = True, schedule: str | None = None) -> None:
+                 bucket_cap_bytes: int | None = None, overlap: bool = True, schedule: str | None = None,
+                 keep_host_memory: bool = True) -> None:
+        """``keep_host_memory``: on CPU, have the C library keep freed memory for reuse (:mod:`.host_memory`)."""
         from .. import __version__
 
         plan.check_for(torch_step.graph, __version__)
@@ -153,6 +155,10 @@ class PipelineStep:
         self.rank_of_stage = [rank_at(s, self.sub_coords) for s in range(self.stages)]
         self.lead_rank_of_stage = [rank_at(s, (0,) * len(self.sub_coords)) for s in range(self.stages)]
         self.device = _device_of(device_mesh)
+        if keep_host_memory and self.device.type == "cpu":
+            from .host_memory import keep_freed_host_memory
+
+            keep_freed_host_memory()
         self.comm = Collectives.from_device_mesh(self.sub_device_mesh)
         self.sub_mesh_shape = tuple(self.sub_device_mesh.shape)
         self.stage_plans = [stage.plan for stage in plan.stages]

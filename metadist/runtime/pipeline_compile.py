@@ -110,8 +110,10 @@ def compile_pipeline(step_fn: Callable, model: Any, optimizer: Any, batch: Any, 
     plan = pipeline_plan(torch_step, mesh, microbatches, cluster=options.cluster, schedule=options.schedule,
                          memory_budget_bytes=memory)
     check_same_everywhere(plan.decisions_hash(), "pipeline plan")
+    from ..config import settings_from_env
     from .build import bytes_from_mib
 
     step = PipelineStep(torch_step, plan, device_mesh, whole_graph=whole, overlap=options.overlap,
-                        bucket_cap_bytes=bytes_from_mib(options.bucket_cap_mb), schedule=options.schedule)
+                        bucket_cap_bytes=bytes_from_mib(options.bucket_cap_mb), schedule=options.schedule,
+                        keep_host_memory=settings_from_env().host_heap == "keep")
     return CompiledPipeline(step, torch_step)

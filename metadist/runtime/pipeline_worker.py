@@ -91,9 +91,11 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
         reporter.note(f"estimate ({estimate.get('cluster', 'cost model')}): step {estimate['step_s'] * 1e3:.2f} ms, "
                       f"bubble {estimate['bubble_fraction']:.0%}, "
                       f"{estimate.get('p2p_bytes_per_microbatch', 0.0) / 1e6:.3f} MB between stages per microbatch")
+    from ..config import settings_from_env
+
     enter("lowering")
     step = PipelineStep(torch_step, plan, device_mesh, whole_graph=whole, bucket_cap_bytes=config.bucket_cap_bytes,
-                        overlap=config.overlap, schedule=schedule)
+                        overlap=config.overlap, schedule=schedule, keep_host_memory=settings_from_env().host_heap == "keep")
     enter("reference run", quiet=not config.check)
     reference = reference_on_rank_zero(config, env, lambda: _reference(
         config, workload, _train_step(config, workload, policy, device_mesh), policy))
