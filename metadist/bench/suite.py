@@ -52,8 +52,8 @@ LEADING_METHODS = "single,ddp,zero2,zero3,metadist-ilp"
 
 DEFAULT_ENTRIES = (
     # sizes that inform first: GPT-2 small (124M) and the 12-layer 768-wide GPT, on 2 processes
-    SuiteEntry("gpt2-small", "", nproc=2, steps=3, methods=LEADING_METHODS, batch=(4, 128)),
-    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=3, methods=LEADING_METHODS),
+    SuiteEntry("gpt2-small", "", nproc=2, steps=5, methods=LEADING_METHODS, batch=(4, 128)),
+    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=5, methods=LEADING_METHODS),
     SuiteEntry("mlp", ""),
     SuiteEntry("gpt2-tiny", "2x2"),
     SuiteEntry("llama-tiny", "2x2"),
