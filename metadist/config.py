@@ -59,6 +59,11 @@ class Settings:
             raise ValueError(f"{HOST_HEAP_ENV}={self.host_heap!r}: choose one of {', '.join(HOST_HEAPS)}")
 
     @property
+    def keeps_host_memory(self) -> bool:
+        """Whether a compiled step on CPU has the C library keep freed memory for reuse (``host_heap == "keep"``)."""
+        return self.host_heap == "keep"
+
+    @property
     def rule_db_path(self) -> Path:
         """Where the rule database lives unless a path is given explicitly (``--db PATH``)."""
         return self.cache_dir / "rules.sqlite"

@@ -15,6 +15,7 @@ from metadist.config import HOST_HEAP_ENV, settings_from_env
 def test_the_host_heap_setting_is_read_and_checked():
     assert settings_from_env({}).host_heap == "keep"
     assert settings_from_env({HOST_HEAP_ENV: "system"}).host_heap == "system"
+    assert settings_from_env({}).keeps_host_memory and not settings_from_env({HOST_HEAP_ENV: "system"}).keeps_host_memory
     with pytest.raises(ValueError, match="METADIST_HOST_HEAP='mmap': choose one of keep, system"):
         settings_from_env({HOST_HEAP_ENV: "mmap"})
 

@@ -151,7 +151,7 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
 
     compiled = api["CompiledStep"](planned.torch_step, plan, device_mesh, metadist_version=api["version"],
                                    overlap=method not in SYNC_METHODS,
-                                   keep_host_memory=settings_from_env().host_heap == "keep")
+                                   keep_host_memory=settings_from_env().keeps_host_memory)
     lowering_s = time.perf_counter() - started
     batch = workload.batch
     world = ctx.world_size

@@ -14,8 +14,8 @@ few rows passes over it (``Device.matmul_stream_bytes_per_s_by_dtype``): a skinn
 float32 weight on this project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by
 it.
 Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softmax and its backward, ``gelu``...) run
-far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an element on this project's machine, where
-its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
+far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an element on this project's machine,
+where its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
 (``Device.op_element_seconds``), and a node of one is priced at least at that rate on its local output elements.
 View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
 (every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw). Every

@@ -100,6 +100,6 @@ def compile_captured(torch_step: TorchStep, mesh: Mesh, device_mesh: DeviceMesh,
             torch_step, plan, device_mesh, metadist_version=__version__, check_shapes=options.check_shapes,
             compile_backend=options.compile_backend, init_seed=options.init_seed, init_fn=options.init_fn,
             bucket_cap_bytes=options.bucket_cap_bytes, overlap=options.overlap, batch_mode=options.batch_mode,
-            verify_batch=options.verify_batch, keep_host_memory=settings_from_env().host_heap == "keep",
+            verify_batch=options.verify_batch, keep_host_memory=settings_from_env().keeps_host_memory,
         )
     return compiled, plan_hash

@@ -115,5 +115,5 @@ def compile_pipeline(step_fn: Callable, model: Any, optimizer: Any, batch: Any, 
 
     step = PipelineStep(torch_step, plan, device_mesh, whole_graph=whole, overlap=options.overlap,
                         bucket_cap_bytes=bytes_from_mib(options.bucket_cap_mb), schedule=options.schedule,
-                        keep_host_memory=settings_from_env().host_heap == "keep")
+                        keep_host_memory=settings_from_env().keeps_host_memory)
     return CompiledPipeline(step, torch_step)

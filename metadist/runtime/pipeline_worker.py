@@ -95,7 +95,7 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
 
     enter("lowering")
     step = PipelineStep(torch_step, plan, device_mesh, whole_graph=whole, bucket_cap_bytes=config.bucket_cap_bytes,
-                        overlap=config.overlap, schedule=schedule, keep_host_memory=settings_from_env().host_heap == "keep")
+                        overlap=config.overlap, schedule=schedule, keep_host_memory=settings_from_env().keeps_host_memory)
     enter("reference run", quiet=not config.check)
     reference = reference_on_rank_zero(config, env, lambda: _reference(
         config, workload, _train_step(config, workload, policy, device_mesh), policy))
