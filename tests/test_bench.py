@@ -224,3 +224,87 @@ def test_wholerun_bench_reports_each_part_and_the_trees_side_by_side():
     assert "│ rest  " in text and "17.50" in text and "13.25" in text  # wall - before the ranks - phases: 17, 18 and 12, 14.5
     assert "/x/main: walls 24.0, 26.0 s; median 25.0 s (x1.00 of the first tree); 0 of 2 at most 20 s" in text
     assert "/x/branch: walls 18.0, 21.0 s; median 19.5 s (x0.78 of the first tree); 1 of 2 at most 20 s" in text
+
+
+def test_interleaved_timing_takes_one_step_of_each_method_a_round_rotating_the_order(monkeypatch):
+    """Warm-up and timed steps go round the methods, the first of each round one further on; warm-ups are not timed;
+    a method timed alone runs first, whole, before the others are built; results keep the methods' order."""
+    from metadist.bench import harness
+    from metadist.bench.baselines import Prepared
+
+    calls: list[str] = []
+    monkeypatch.setattr(harness.dist, "barrier", lambda: calls.append("barrier"))
+
+    def built(method):
+        def step():
+            calls.append(method)
+            return torch.tensor(1.0)
+        return harness._Built(method, Prepared(method, step, (), (2,)), None, None, {}, {}, [])
+
+    def build_method(method, workload, ctx):
+        calls.append(f"build {method}")
+        return built(method)
+
+    def finish_method(item, ctx):
+        return MethodResult(method=item.method, status=STATUS_OK, step_times_s=tuple(item.times))
+
+    def measure_method(method, workload, ctx, config):
+        calls.append(f"alone {method}")
+        return MethodResult(method=method, status=STATUS_OK, step_times_s=(1.0,) * config.steps)
+
+    monkeypatch.setattr(harness, "build_method", build_method)
+    monkeypatch.setattr(harness, "finish_method", finish_method)
+    monkeypatch.setattr(harness, "measure_method", measure_method)
+    config = harness.HarnessConfig(model="mlp", methods=("ddp", "single", "zero3", "metadist-ilp"), steps=3, warmup=1,
+                                   mesh_shape=(), batch_size=None, seq_len=None, optimizer="adamw", out="x.json",
+                                   predict=False, timeout_s=10.0, timed_alone=("single",))
+    ctx = type("Ctx", (), {"device": torch.device("cpu")})()
+    results = harness.measure_interleaved(config.methods, None, ctx, config)
+
+    assert [r.method for r in results] == ["ddp", "single", "zero3", "metadist-ilp"]
+    assert calls[:4] == ["alone single", "build ddp", "build zero3", "build metadist-ilp"]
+    steps = [call for call in calls[4:] if call != "barrier"]
+    assert steps == ["ddp", "zero3", "metadist-ilp",  # the warm-up round
+                     "zero3", "metadist-ilp", "ddp",  # timed rounds, each starting one method further on
+                     "metadist-ilp", "ddp", "zero3",
+                     "ddp", "zero3", "metadist-ilp"]
+    assert calls[4:7] == ["ddp", "zero3", "metadist-ilp"]  # no barrier before an untimed warm-up step
+    assert calls.count("barrier") == 9  # one before each timed step
+    assert all(len(r.step_times_s) == 3 for r in results)
+
+
+def test_harness_arguments_check_the_timing_and_the_methods_timed_alone():
+    from metadist.bench import harness
+
+    config = harness.parse_args(["mlp", "--methods", "single,ddp", "--out", "x.json"])
+    assert config.timing == "interleaved" and config.timed_alone == ("single",)
+    config = harness.parse_args(["mlp", "--methods", "ddp,zero3", "--out", "x.json"])
+    assert config.timed_alone == ()  # the default names the one-device reference only when it runs
+    config = harness.parse_args(["mlp", "--methods", "single,ddp", "--timed-alone", "", "--timing", "sequential",
+                                 "--out", "x.json"])
+    assert config.timing == "sequential" and config.timed_alone == ()
+    with pytest.raises(ValueError, match="--timed-alone names \\['zero2'\\], which --methods does not run"):
+        harness.parse_args(["mlp", "--methods", "single,ddp", "--timed-alone", "zero2", "--out", "x.json"])
+    with pytest.raises(SystemExit):
+        harness.parse_args(["mlp", "--timing", "parallel", "--out", "x.json"])
+
+
+def test_results_say_how_they_were_timed_and_older_files_read_as_sequential(tmp_path):
+    import dataclasses
+
+    from metadist.bench.report import write_report
+
+    run = dataclasses.replace(_fixture_run(), timing="interleaved", timed_alone=("single",))
+    assert BenchRun.from_json(run.to_json()) == run
+    older = json.loads(_fixture_run().to_json())
+    del older["timing"], older["timed_alone"]
+    assert BenchRun.from_json(json.dumps(older)).timing == "sequential"
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "fixture.json").write_text(run.to_json())
+    page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
+    assert ("1 warm-up and 3 timed steps after 2 profiled ones, the methods taking their warm-up and timed steps in "
+            "turn (interleaved); single timed on its own first.") in page
+    (results / "fixture.json").write_text(json.dumps(older))
+    page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
+    assert "after 2 profiled ones, each method timed on its own, one after the other." in page

@@ -61,6 +61,8 @@ def test_ddp_and_fsdp2_agree_on_the_mlp(tmp_path):
                "--warmup", "0", "--no-predict", "--out", str(out)])
     run = BenchRun.from_json(out.read_text())
     assert [result.status for result in run.methods] == ["ok"] * 3
+    assert run.timing == "interleaved" and run.timed_alone == ("single",)  # ddp and zero3 took their steps in turn
+    assert all(len(result.step_times_s) == 2 for result in run.methods)
     agreement = run.loss_agreement()
     assert max(agreement.values()) <= run.loss_rtol, agreement
     mlp_params = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10

@@ -13,6 +13,14 @@ Each method, as a recipe (the same for every method):
    time is the slowest rank's;
 4. the loss of the last step, summed over the ranks' contributions, is the whole batch's loss.
 
+``--timing interleaved`` (the default) builds and profiles every method first and keeps them all; then each round
+runs one warm-up or timed step of every method in turn, the order rotated by one each round. A machine whose speed
+drifts over minutes (a shared CPU, a GPU's clocks) then slows every method alike, and their ratios hold; one after the
+other, a drift between two methods' turns showed as a 10-20 % difference between runs of the same code. The methods
+are alive together, so the run needs the memory of all of them at once, except those named by ``--timed-alone``
+(the one-device reference by default, :data:`TIMED_ALONE`), each timed on its own first. ``--timing sequential``
+times each method right after its build and frees it before the next.
+
 Every method runs ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
 global batch, so their final losses must agree with the single-device one (relative tolerance
 :data:`.results.LOSS_RTOL`). Dropout is switched off (every dropout probability set to 0):
@@ -49,6 +57,13 @@ from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, BenchRun, Met
 log = logging.getLogger(__name__)
 
 ALL_METHODS = (*BASELINE_METHODS, *METADIST_METHODS)
+TIMINGS = ("interleaved", "sequential")
+TIMED_ALONE = ("single",)
+"""The methods that interleaved timing measures on their own by default (``--timed-alone``), each first and freed
+before the others are built: the one-device reference holds the whole model, gradients and optimizer state on every
+rank, the most memory of any method, and it is no distributed baseline to compare with. Every method alive at once
+needs the sum of their memory: GPT-2 small's five took all of this machine's 24 GB (a rank was killed), its four
+distributed ones 20 GB."""
 PROFILED_STEPS = 2
 """Steps run under the profiler; the last is the measured one (the first allocates optimizer state)."""
 
@@ -77,11 +92,21 @@ class HarnessConfig:
     cluster: str | None = None
     """The cost model's cluster for MetaDist's plans and the estimates: a preset or a calibrated JSON file
     (``metadist calibrate``); None: ``cpu-gloo`` on CPU, the default preset on GPUs."""
+    timing: str = "interleaved"
+    """``interleaved``: every method's timed steps taken in turn, round by round; ``sequential``: one method's after
+    the other's (see the module docstring)."""
+    timed_alone: tuple[str, ...] = ()
+    """With interleaved timing, the methods measured on their own first (and freed before the others are built)."""
 
     def __post_init__(self) -> None:
         unknown = [method for method in self.methods if method not in ALL_METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"--timing {self.timing!r}: choose {' or '.join(TIMINGS)}")
+        stray = [method for method in self.timed_alone if method not in self.methods]
+        if stray:
+            raise ValueError(f"--timed-alone names {stray}, which --methods does not run; name methods of --methods")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
 
@@ -113,14 +138,28 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
     parser.add_argument("--no-predict", action="store_true", help="skip the cost model's estimates of the baselines")
     parser.add_argument("--timeout-s", type=float, default=180.0, help="bound on every collective (a failed rank never hangs the others)")
     parser.add_argument("--cluster", default=None, help="cost model cluster: preset or calibrated JSON file")
+    parser.add_argument("--timing", default="interleaved", choices=TIMINGS,
+                        help="interleaved (default): the methods' timed steps in turn, round by round, all methods alive "
+                             "at once (single is timed on its own first); sequential: each method timed after its build "
+                             "and freed before the next")
+    parser.add_argument("--timed-alone", default=None,
+                        help="with interleaved timing, comma-separated methods measured on their own first and freed "
+                             "before the others are built (default: single, if it runs; '' for none): what keeps the "
+                             "memory of the methods alive at once within the machine's")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if args.timed_alone is None:
+        timed_alone = tuple(m for m in TIMED_ALONE if m in methods)
+    else:
+        timed_alone = tuple(m for m in args.timed_alone.split(",") if m)
     return HarnessConfig(
-        model=args.model, methods=tuple(m for m in args.methods.split(",") if m), steps=args.steps,
+        model=args.model, methods=methods, steps=args.steps,
         warmup=args.warmup, mesh_shape=parse_mesh(args.mesh), batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=args.optimizer, out=args.out, predict=not args.no_predict, timeout_s=args.timeout_s,
-        cluster=args.cluster,
+        cluster=args.cluster, timing=args.timing,
+        timed_alone=timed_alone,
     )
 
 
@@ -191,28 +230,36 @@ def _profiled_run(method: str, workload: Workload, ctx: RankContext, prepared: P
     return prepared, prof, cuda_peak, loss
 
 
-def _timed_steps(prepared: Prepared, ctx: RankContext, warmup: int, steps: int) -> tuple[list[float], torch.Tensor]:
-    for _ in range(warmup):
-        loss = prepared.step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        started = time.perf_counter()
-        loss = prepared.step()
-        _sync(ctx)
-        times.append(time.perf_counter() - started)
-    slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist(), loss
+@dataclass
+class _Built:
+    """A method built and profiled, waiting for its timed steps."""
+
+    method: str
+    prepared: Prepared
+    comm: Any
+    memory: MemoryPeak
+    compile_s: dict
+    predicted: dict
+    times: list[float]
+    loss: torch.Tensor | None = None
 
 
-def measure_method(method: str, workload: Workload, ctx: RankContext, config: HarnessConfig) -> MethodResult:
-    """Build, profile and time one method; figures are the maximum over ranks."""
+def _timed_step(built: _Built, ctx: RankContext) -> None:
+    dist.barrier()
+    started = time.perf_counter()
+    built.loss = built.prepared.step()
+    _sync(ctx)
+    built.times.append(time.perf_counter() - started)
+
+
+def build_method(method: str, workload: Workload, ctx: RankContext) -> _Built | MethodResult:
+    """Build and profile one method: its collective bytes and memory from the last profiled step; a MethodResult
+    instead when it is unavailable or MetaDist's pipeline failed."""
     compile_s, predicted, prepared = {}, {}, None
     try:
         if method in METADIST_METHODS:
             prepared, compile_s, predicted = build_metadist(method, workload, ctx)
-        prepared, prof, cuda_peak, _ = _profiled_run(method, workload, ctx, prepared)
+        prepared, prof, cuda_peak, loss = _profiled_run(method, workload, ctx, prepared)
     except MethodUnavailable as err:
         log.warning("%s: not available: %s", method, err)
         dist.barrier()
@@ -227,17 +274,69 @@ def measure_method(method: str, workload: Workload, ctx: RankContext, config: Ha
     comm = count_collectives(events, start, end, default_group_size=ctx.world_size if one_d else 0, backend=dist.get_backend())
     memory = cuda_peak or cpu_memory_peak(events, start, end)
     del prof, events
-    times, loss = _timed_steps(prepared, ctx, config.warmup, config.steps)
-    total = loss.detach().to(torch.float64).reshape(())
+    return _Built(method, prepared, comm, memory, compile_s, predicted, [], loss)
+
+
+def finish_method(built: _Built, ctx: RankContext) -> MethodResult:
+    """The method's result from its timed steps (each the slowest rank's) and figures; frees the method."""
+    slowest = torch.tensor(built.times, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    total = built.loss.detach().to(torch.float64).reshape(())
     dist.all_reduce(total)
-    local = {"comm": comm, "memory": memory}
+    local = {"comm": built.comm, "memory": built.memory}
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, local)
-    result = _result(method, prepared, times, float(total), gathered, compile_s, predicted)
-    del prepared
+    result = _result(built.method, built.prepared, slowest.tolist(), float(total), gathered, built.compile_s,
+                     built.predicted)
+    built.prepared = None
     gc.collect()
     dist.barrier()
     return result
+
+
+def measure_method(method: str, workload: Workload, ctx: RankContext, config: HarnessConfig) -> MethodResult:
+    """Build, profile and time one method on its own; figures are the maximum over ranks."""
+    built = build_method(method, workload, ctx)
+    if isinstance(built, MethodResult):
+        return built
+    for _ in range(config.warmup):
+        built.loss = built.prepared.step()
+    for _ in range(config.steps):
+        _timed_step(built, ctx)
+    return finish_method(built, ctx)
+
+
+def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankContext,
+                        config: HarnessConfig) -> list[MethodResult]:
+    """Build and profile every method, then run their warm-up and timed steps in rounds, one step of each method a
+    round, the order rotated by one each round; results in ``methods``' order. The config's ``timed_alone`` methods
+    are measured on their own first."""
+    results: dict[str, MethodResult] = {}
+    alive: list[_Built] = []
+    for method in methods:
+        if method in config.timed_alone:  # first, and freed before the others are built
+            with phase(method):
+                results[method] = measure_method(method, workload, ctx, config)
+    for method in methods:
+        if method in config.timed_alone:
+            continue
+        with phase(method):
+            built = build_method(method, workload, ctx)
+        if isinstance(built, MethodResult):
+            results[method] = built
+        else:
+            alive.append(built)
+    with phase("timed steps, interleaved"):
+        for index in range(config.warmup + config.steps):
+            for turn in range(len(alive)):
+                built = alive[(index + turn) % len(alive)]
+                if index < config.warmup:
+                    built.loss = built.prepared.step()
+                else:
+                    _timed_step(built, ctx)
+    for built in alive:
+        results[built.method] = finish_method(built, ctx)
+    return [results[method] for method in methods]
 
 
 def _failed(method: str, err: BaseException) -> MethodResult:
@@ -292,16 +391,20 @@ def run(config: HarnessConfig, argv: list[str]) -> int:
     ctx = setup(config)
     enter("load")
     workload = load_bench_workload(config)
-    results = []
-    for method in config.methods:
-        with phase(method):  # the phase file names the method a rank was measuring if a signal kills it
-            results.append(measure_method(method, workload, ctx, config))
+    if config.timing == "interleaved":
+        results = measure_interleaved(config.methods, workload, ctx, config)
+    else:
+        results = []
+        for method in config.methods:
+            with phase(method):  # the phase file names the method a rank was measuring if a signal kills it
+                results.append(measure_method(method, workload, ctx, config))
     predictions = _predictions(workload, ctx, config)
     results = [_with_prediction(result, predictions) for result in results]
     if ctx.rank == 0:
         bench = BenchRun(
             model=workload.name or config.model, world_size=ctx.world_size, mesh_shape=tuple(ctx.mesh_shape),
             backend=dist.get_backend(), device=ctx.device.type, steps=config.steps, warmup=config.warmup,
+            timing=config.timing, timed_alone=config.timed_alone if config.timing == "interleaved" else (),
             batch_shapes={key: tuple(value.shape) for key, value in workload.batch.items()},
             params=sum(p.numel() for p in workload.model.parameters()), machine=machine_info(), versions=versions(),
             command=f"python -m torch.distributed.run --standalone --nproc-per-node {ctx.world_size} "

@@ -346,7 +346,7 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
         shapes = ", ".join(f"{key} {tuple(value)}" for key, value in run.batch_shapes.items())
         parts += [f"## {run.model}: {run.world_size} processes, mesh {'x'.join(map(str, run.mesh_shape))}", "",
                   f"{run.params:,} parameters; global batch {shapes}; {run.warmup} warm-up and {run.steps} timed steps "
-                  f"after 2 profiled ones.", "", run_table(run), ""]
+                  f"after 2 profiled ones, {_timing_words(run)}.", "", run_table(run), ""]
         experts = [f"- {result.method}: {result.note.split('; ', 1)[1]}" for result in run.methods
                    if result.ok and "; expert weights" in result.note]
         if experts:
@@ -463,6 +463,14 @@ def _load_lines(runs: Sequence[BenchRun]) -> list[str]:
             f"{', '.join(loads)}. Above the CPU count, processes wait for a core and step times stretch."]
 
 
+def _timing_words(run: BenchRun) -> str:
+    if run.timing == "interleaved":
+        alone = ("" if not run.timed_alone else f"; {run.timed_alone[0]} timed on its own first" if len(run.timed_alone) == 1
+                 else f"; {', '.join(run.timed_alone)} each timed on its own first")
+        return f"the methods taking their warm-up and timed steps in turn (interleaved){alone}"
+    return "each method timed on its own, one after the other"
+
+
 def _method_notes(run: BenchRun) -> str:
     return "\n".join([
         "## How it is measured",
@@ -472,6 +480,13 @@ def _method_notes(run: BenchRun) -> str:
         f"agree with the single-device loss to a relative {run.loss_rtol:.0e} (column *rel. diff*).",
         "- *median ms*: the median over the timed steps of the slowest rank's step time (each step starts after a "
         "barrier); *p25-p75*: its spread. *vs DDP*: median over DDP's median.",
+        "- *Interleaved* timing (the harness's default, `--timing interleaved`): every method is built and profiled "
+        "first and kept; then each round runs one step of every method in turn, the order rotated by one each round, "
+        "so a machine whose speed drifts over minutes slows every method alike and their ratios hold. The methods "
+        "named by `--timed-alone` (by default *single*, the one-device reference and the largest in memory) are timed "
+        "on their own first, so that those alive together fit in memory. Measured one "
+        "after the other (`--timing sequential`, and the older result files), such a drift between two methods' turns "
+        "moved MetaDist/DDP on gpt-85m by 10-20 % between runs of the same code. Each section says which it used.",
         "- *comm payload/rank*: bytes of every collective this rank issued in one step, read from the c10d ops of a "
         "`torch.profiler` trace (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input); "
         "*wire/rank*: what a ring algorithm sends for them. Gloo carries out reduce-scatter as an all-reduce.",

@@ -84,6 +84,11 @@ class BenchRun:
     methods: tuple[MethodResult, ...]
     loss_rtol: float = LOSS_RTOL
     notes: tuple[str, ...] = ()
+    timing: str = "sequential"
+    """How the timed steps ran: ``interleaved`` (round by round, every method a step in turn) or ``sequential`` (one
+    method's after the other's; what files without the field did)."""
+    timed_alone: tuple[str, ...] = ()
+    """With interleaved timing, the methods timed on their own first (memory: see the harness's ``--timed-alone``)."""
 
     def method(self, name: str) -> MethodResult | None:
         return next((result for result in self.methods if result.method == name), None)
@@ -114,6 +119,7 @@ class BenchRun:
         kwargs = {key: value for key, value in data.items() if key in names}
         kwargs["mesh_shape"] = tuple(kwargs["mesh_shape"])
         kwargs["notes"] = tuple(kwargs.get("notes", ()))
+        kwargs["timed_alone"] = tuple(kwargs.get("timed_alone", ()))
         kwargs["batch_shapes"] = {key: tuple(value) for key, value in kwargs["batch_shapes"].items()}
         return BenchRun(methods=methods, **kwargs)
 
