@@ -170,6 +170,28 @@ def test_explain_names_the_runner_up():
     assert "sharding" in explain(plan, "layers.0.w1")
 
 
+def test_explanations_price_each_class_on_its_own_edges_as_on_all_of_them():
+    """The explanation looks up each class's edges once (a scan of every edge per class took 0.3 s on LLaMA-7B 8x8);
+    each class's costs are the same as when every edge is scanned."""
+    from metadist.solver.explain import _class_costs, explanation_data
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(2048, 1024, 4096, layers=2)
+    problem = build_problem(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))
+    assert problem.edges  # the case under test: classes with several strategies on both ends of a resharding
+    choice = {c: problem.strategy_count(c) - 1 for c in problem.classes}
+    data = explanation_data(problem, choice, None)
+    for c in problem.classes:
+        if problem.strategy_count(c) == 1:
+            continue
+        mine = [edge for edge in problem.edges if c in (edge.producer, edge.consumer)]
+        assert _class_costs(problem, c, choice, (), mine) == _class_costs(problem, c, choice)
+        for name in problem.units[c].members:
+            compute, comm = _class_costs(problem, c, choice, (), mine)
+            if name in data:
+                assert data[name]["compute_s"] == compute[choice[c]]
+
+
 def test_baselines_are_priced_by_the_same_model_and_never_beat_the_plan():
     graph, rules = mlp_step(2048, 1024, 4096, layers=2)
     cluster = cluster_for("h100-ib", Mesh((2, 4)))
