@@ -308,3 +308,19 @@ def test_results_say_how_they_were_timed_and_older_files_read_as_sequential(tmp_
     (results / "fixture.json").write_text(json.dumps(older))
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
     assert "after 2 profiled ones, each method timed on its own, one after the other." in page
+
+
+def test_metadist_bench_passes_the_timing_to_the_harness():
+    from metadist.bench import harness
+    from metadist.cli.bench import harness_args
+    from metadist.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "gpt2-small", "--methods", "single,ddp,zero2,metadist-ilp",
+                                      "--timed-alone", "single,zero2"])
+    config = harness.parse_args(harness_args(args, "out.json"))
+    assert config.timing == "interleaved" and config.timed_alone == ("single", "zero2")
+    args = build_parser().parse_args(["bench", "mlp", "--methods", "single,ddp", "--timing", "sequential", "--timed-alone", ""])
+    config = harness.parse_args(harness_args(args, "out.json"))
+    assert config.timing == "sequential" and config.timed_alone == ()
+    config = harness.parse_args(harness_args(build_parser().parse_args(["bench", "mlp"]), "out.json"))
+    assert config.timing == "interleaved" and config.timed_alone == ("single",)  # every method runs: single alone

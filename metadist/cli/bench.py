@@ -30,12 +30,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mesh", default="", help="DPxTP mesh for tp-dp and MetaDist, e.g. 2x2 (default: 1-D over all)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
-    parser.add_argument("--methods", default="", help="comma-separated subset of single,ddp,zero2,zero3,tp,tp-dp,"
-                                                      "metadist-ilp,metadist-beam (default: all)")
+    parser.add_argument("--methods", default="", help="comma-separated subset of single,ddp,zero2,zero3,tp,tp-dp and "
+                                                      "the metadist-* methods (default: all)")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--cluster", default=None, help="cost model cluster for MetaDist's plans: a preset or a JSON "
                                                         "file from 'metadist calibrate' (default: cpu-gloo on CPU)")
+    parser.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
+                        help="interleaved (default): every method built first, then one timed step of each in turn, "
+                             "round by round, so that a drifting machine slows them alike (all alive at once: the sum "
+                             "of their memory); sequential: each method timed after its build and freed before the next")
+    parser.add_argument("--timed-alone", default=None, metavar="METHODS",
+                        help="with interleaved timing, comma-separated methods timed on their own first and freed "
+                             "before the others are built, so that those alive together fit in memory (default: single)")
     parser.add_argument("--out", metavar="FILE", help="also keep the result JSON in FILE")
     add_log_dir_argument(parser)
     parser.set_defaults(handler=run)
@@ -49,11 +56,14 @@ def harness_command(args: argparse.Namespace, out: str) -> list[str]:
 
 def harness_args(args: argparse.Namespace, out: str) -> list[str]:
     """The arguments of every rank's ``python -m metadist.bench.harness``."""
-    command = [args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out]
+    command = [args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out,
+               "--timing", args.timing]
     for flag, value in (("--mesh", args.mesh), ("--methods", args.methods), ("--batch-size", args.batch_size),
                         ("--seq-len", args.seq_len), ("--cluster", args.cluster)):
         if value:
             command += [flag, str(value)]
+    if args.timed_alone is not None:  # '' names none: every method interleaved
+        command += ["--timed-alone", args.timed_alone]
     return command
 
 
