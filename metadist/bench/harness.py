@@ -18,8 +18,9 @@ runs one warm-up or timed step of every method in turn, the order rotated by one
 drifts over minutes (a shared CPU, a GPU's clocks) then slows every method alike, and their ratios hold; one after the
 other, a drift between two methods' turns showed as a 10-20 % difference between runs of the same code. The methods
 are alive together, so the run needs the memory of all of them at once, except those named by ``--timed-alone``
-(the one-device reference by default, :data:`TIMED_ALONE`), each timed on its own first. ``--timing sequential``
-times each method right after its build and frees it before the next.
+(the one-device reference by default, :data:`TIMED_ALONE`), each timed on its own first. The methods share their
+processes: once MetaDist's step is built, glibc keeps freed host memory (``METADIST_HOST_HEAP``) for the baselines'
+timed steps too. ``--timing sequential`` times each method right after its build and frees it before the next.
 
 Every method runs ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
 global batch, so their final losses must agree with the single-device one (relative tolerance

@@ -56,9 +56,10 @@ LEADING_METHODS = "single,ddp,zero2,zero3,metadist-ilp"
 DEFAULT_ENTRIES = (
     # sizes that inform first: GPT-2 small (124M) and the 12-layer 768-wide GPT, on 2 processes
     # GPT-2 small's four distributed methods alive together took 20 of the machine's 24 GB: DDP and MetaDist, the
-    # never-lose pair, are interleaved, the ZeRO stages timed on their own
-    SuiteEntry("gpt2-small", "", nproc=2, steps=5, methods=LEADING_METHODS, batch=(4, 128), timed_alone="single,zero2,zero3"),
-    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=5, methods=LEADING_METHODS),
+    # never-lose pair, are interleaved, the ZeRO stages timed on their own. 10 timed steps: single steps of one method
+    # moved by +-15 % within a run, and 5-step medians of the same code by +-8 %
+    SuiteEntry("gpt2-small", "", nproc=2, steps=10, methods=LEADING_METHODS, batch=(4, 128), timed_alone="single,zero2,zero3"),
+    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=10, methods=LEADING_METHODS),
     SuiteEntry("mlp", ""),
     SuiteEntry("gpt2-tiny", "2x2"),
     SuiteEntry("llama-tiny", "2x2"),
