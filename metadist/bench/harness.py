@@ -53,12 +53,11 @@ from .baselines import BASELINE_METHODS, MethodUnavailable, Prepared, RankContex
 from .comm_count import count_collectives, events_from_profile, window
 from .memory_track import MemoryPeak, cpu_memory_peak
 from .metadist_method import METADIST_METHODS, build_metadist, predict_baselines
-from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, BenchRun, MethodResult
+from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, TIMINGS, BenchRun, MethodResult
 
 log = logging.getLogger(__name__)
 
 ALL_METHODS = (*BASELINE_METHODS, *METADIST_METHODS)
-TIMINGS = ("interleaved", "sequential")
 TIMED_ALONE = ("single",)
 """The methods that interleaved timing measures on their own by default (``--timed-alone``), each first and freed
 before the others are built: the one-device reference holds the whole model, gradients and optimizer state on every
@@ -93,7 +92,7 @@ class HarnessConfig:
     cluster: str | None = None
     """The cost model's cluster for MetaDist's plans and the estimates: a preset or a calibrated JSON file
     (``metadist calibrate``); None: ``cpu-gloo`` on CPU, the default preset on GPUs."""
-    timing: str = "interleaved"
+    timing: str = TIMINGS[0]
     """``interleaved``: every method's timed steps taken in turn, round by round; ``sequential``: one method's after
     the other's (see the module docstring)."""
     timed_alone: tuple[str, ...] = ()
@@ -139,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
     parser.add_argument("--no-predict", action="store_true", help="skip the cost model's estimates of the baselines")
     parser.add_argument("--timeout-s", type=float, default=180.0, help="bound on every collective (a failed rank never hangs the others)")
     parser.add_argument("--cluster", default=None, help="cost model cluster: preset or calibrated JSON file")
-    parser.add_argument("--timing", default="interleaved", choices=TIMINGS,
+    parser.add_argument("--timing", default=TIMINGS[0], choices=TIMINGS,
                         help="interleaved (default): the methods' timed steps in turn, round by round, all methods alive "
                              "at once (single is timed on its own first); sequential: each method timed after its build "
                              "and freed before the next")

@@ -17,6 +17,9 @@ LOSS_RTOL = 1e-4
 """Largest relative difference of a method's final loss from the single-device loss that counts as
 agreement (fp32; the methods differ in reduction order only)."""
 
+TIMINGS = ("interleaved", "sequential")
+"""How a run times its methods (:attr:`BenchRun.timing`); the first is the harness's default (``--timing``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class MethodResult:

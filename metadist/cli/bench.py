@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..bench.results import TIMINGS
 from .run import add_log_dir_argument
 
 
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--cluster", default=None, help="cost model cluster for MetaDist's plans: a preset or a JSON "
                                                         "file from 'metadist calibrate' (default: cpu-gloo on CPU)")
-    parser.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
+    parser.add_argument("--timing", choices=TIMINGS, default=TIMINGS[0],
                         help="interleaved (default): every method built first, then one timed step of each in turn, "
                              "round by round, so that a drifting machine slows them alike (all alive at once: the sum "
                              "of their memory); sequential: each method timed after its build and freed before the next")
