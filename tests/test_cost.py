@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -162,6 +163,37 @@ def test_an_op_that_computes_more_than_it_moves_is_priced_at_its_measured_rate_p
               "device": {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 2e10, "op_overhead_s": 4e-6,
                          "op_element_s:tanh": 3e-9, "op_element_s:_log_softmax": 7e-10}}
     assert cluster_from_report(report, mesh).device.op_element_seconds == (("_log_softmax", 7e-10), ("tanh", 3e-9))
+
+
+def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibration():
+    """Ranks sharing cores compute slower over a step than in the calibration's short timed calls: the measured factor
+    divides every rate and multiplies every per-op time; below 1 (warm caches) or missing (an older report, a GPU) it
+    changes nothing."""
+    mesh = Mesh((4,))
+    figures = {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 2e10, "peak_flops_per_s_bfloat16": 3e10,
+               "memory_bandwidth_bytes_per_s_bfloat16": 1e10, "matmul_curve:float32:1000": 4e10,
+               "elementwise_curve:float32:4096": 5e9, "matmul_stream_bytes_per_s": 2e9, "op_overhead_s": 4e-6,
+               "op_element_s:tanh": 3e-9, "captured_step_s": 1e-3, "captured_nodes": 100.0, "captured_roofline_s": 2e-4,
+               "eager_step_s": 6e-4}
+
+    def device(**extra):
+        report = {"backend": "gloo", "memory_capacity_bytes": 1e9, "measurements": [], "device": {**figures, **extra}}
+        return cluster_from_report(report, mesh).device
+
+    plain, slowed = device(), device(sustained_slowdown=1.6)
+    assert plain.sustained_slowdown == 1.0 and slowed.sustained_slowdown == 1.6
+    assert device(sustained_slowdown=0.9) == plain
+    assert slowed.peak_flops_per_s == pytest.approx(plain.peak_flops_per_s / 1.6)
+    assert slowed.memory_bandwidth_bytes_per_s == pytest.approx(plain.memory_bandwidth_bytes_per_s / 1.6)
+    for dtype in ("float32", "bfloat16"):
+        assert slowed.flops_per_s(dtype, 1000.0) == pytest.approx(plain.flops_per_s(dtype, 1000.0) / 1.6)
+        assert slowed.bandwidth_bytes_per_s(dtype, 4096.0) == pytest.approx(plain.bandwidth_bytes_per_s(dtype, 4096.0) / 1.6)
+    assert slowed.matmul_stream_s("float32", 1e6) == pytest.approx(1.6 * plain.matmul_stream_s("float32", 1e6))
+    assert slowed.op_overhead_s == pytest.approx(1.6 * plain.op_overhead_s) == pytest.approx(1.6 * 8e-6)
+    assert slowed.eager_op_overhead_s == pytest.approx(1.6 * plain.eager_op_overhead_s) == pytest.approx(1.6 * 4e-6)
+    assert slowed.element_seconds("tanh") == pytest.approx(1.6 * 3e-9)
+    with pytest.raises(ClusterError, match="slowdown"):
+        replace(plain, sustained_slowdown=0.5)
 
 
 def test_a_skinny_matmul_takes_its_large_operand_at_the_stream_rate():

@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per node "
                   f"in the runtime ({device.eager_op_overhead_s * 1e6:.1f} us eager), "
                   f"{human_bytes(device.memory_capacity_bytes)} capacity", markup=False)
+    if device.sustained_slowdown > 1:
+        console.print(f"  over a step the processes computed {device.sustained_slowdown:.2f}x slower than in short timed "
+                      "calls (they share cores): the figures above include it", markup=False)
     for dtype, flops in (("float32", device.peak_flops_per_s), *device.peak_flops_per_s_by_dtype):
         stream = device.matmul_stream_s(dtype, 1.0)
         console.print(f"  in {dtype}: {flops / 1e9:.1f} GFLOP/s matmul, "

@@ -131,6 +131,13 @@ IN_STEP_COLLECTIVE_BYTES = 4096
 """The buffer of the all-reduce the worker issues between compute phases (``in_step_collective_s``)."""
 
 
+def sustained_slowdown(figures: Mapping[str, float]) -> float:
+    """How much slower the processes compute over a step than in the calibration's short timed calls (at least 1; 1
+    without the figure: a GPU, or an older report). Every rate the worker measured is divided by it and every per-op
+    time multiplied: processes that share cores take turns on them, which a call shorter than a turn does not see."""
+    return max(float(figures.get("sustained_slowdown", 1.0)), 1.0)
+
+
 def collective_sync_s(figures: Mapping[str, float], link: Link, axis_size: int) -> float:
     """A collective's cost inside a step beyond what the isolated measurements priced (the link's ``sync_s``).
 
@@ -154,18 +161,27 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         rows = [m for m in report["measurements"] if m["axis"] == axis]
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", report["backend"] == "gloo")
         links.append(replace(link, sync_s=collective_sync_s(figures, link, size)))
+    slowdown = sustained_slowdown(figures)
+
+    def rates(values: Mapping[str, float]) -> dict[str, float]:
+        return {key: value / slowdown for key, value in values.items()}
+
+    def curves(kind: str) -> dict[str, list[tuple[float, float]]]:
+        return {dtype: [(size, rate / slowdown) for size, rate in points] for dtype, points in _curves(figures, kind).items()}
+
     device = Device(
-        peak_flops_per_s=report["device"]["peak_flops_per_s"],
-        memory_bandwidth_bytes_per_s=report["device"]["memory_bandwidth_bytes_per_s"],
-        peak_flops_per_s_by_dtype=_by_dtype(figures, "peak_flops_per_s_"),
-        memory_bandwidth_bytes_per_s_by_dtype=_by_dtype(figures, "memory_bandwidth_bytes_per_s_"),
-        matmul_curves=_curves(figures, "matmul_curve"), elementwise_curves=_curves(figures, "elementwise_curve"),
-        matmul_stream_bytes_per_s_by_dtype=_stream_rates(figures),
-        op_overhead_s=runtime_op_overhead(figures),
-        op_element_seconds=_by_dtype(figures, "op_element_s:"),
-        eager_op_overhead_s=eager_op_overhead(figures),
+        peak_flops_per_s=report["device"]["peak_flops_per_s"] / slowdown,
+        memory_bandwidth_bytes_per_s=report["device"]["memory_bandwidth_bytes_per_s"] / slowdown,
+        peak_flops_per_s_by_dtype=rates(_by_dtype(figures, "peak_flops_per_s_")),
+        memory_bandwidth_bytes_per_s_by_dtype=rates(_by_dtype(figures, "memory_bandwidth_bytes_per_s_")),
+        matmul_curves=curves("matmul_curve"), elementwise_curves=curves("elementwise_curve"),
+        matmul_stream_bytes_per_s_by_dtype=rates(_stream_rates(figures)),
+        op_overhead_s=runtime_op_overhead(figures) * slowdown,
+        op_element_seconds={op: seconds * slowdown for op, seconds in _by_dtype(figures, "op_element_s:").items()},
+        eager_op_overhead_s=eager_op_overhead(figures) * slowdown,
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
+        sustained_slowdown=slowdown,
     )
     return Cluster(mesh=mesh, device=device, axis_links=tuple(links), name=f"calibrated-{report['backend']}")
 
@@ -240,11 +256,12 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
-compute more than they move (exp, tanh, softmax...: ``Device.op_element_seconds``). A cache
+compute more than they move (exp, tanh, softmax...: ``Device.op_element_seconds``); 6: how much slower the
+processes compute over a long stretch than in short timed calls (``Device.sustained_slowdown``). A cache
 of an older version is measured again, not read."""
 
 

@@ -138,6 +138,11 @@ class Device:
     """The fixed cost per node of the captured graph when torch runs the same step eagerly (fused optimizer kernels,
     scalars as Python floats): what a baseline that runs the model itself (torch DDP, FSDP) pays; measured by
     ``metadist calibrate`` on CPU, 0 (not measured) elsewhere. MetaDist's own plans pay ``op_overhead_s``."""
+    sustained_slowdown: float = 1.0
+    """How much slower the processes computed over a long stretch than in the calibration's short timed calls, all at
+    once (``metadist calibrate`` on CPU; 1 elsewhere). Already applied: the rates above are divided by it and the
+    per-op seconds multiplied. Processes that share cores take turns on them, which a call of a millisecond often does
+    not see: 4 processes on this project's 2-core machine, 1.55-1.70."""
 
     def __post_init__(self) -> None:
         pairs = _dtype_pairs(self.peak_flops_per_s_by_dtype)
@@ -158,8 +163,9 @@ class Device:
                    *(v for _, v in pairs), *(v for _, v in bandwidths), *(v for _, v in streams),
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
-                or not all(seconds >= 0 for _, seconds in elements):
-            raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0), got {self}")
+                or not all(seconds >= 0 for _, seconds in elements) or not self.sustained_slowdown >= 1:
+            raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "
+                               f"slowdown >= 1), got {self}")
 
     def flops_per_s(self, dtype: str, flops: float | None = None) -> float:
         """FLOP/s of work in ``dtype`` (a MetaIR dtype name): at ``flops`` on the dtype's measured curve, if it has
