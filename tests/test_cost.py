@@ -314,23 +314,27 @@ def test_calibrate_measures_gloo_on_two_processes():
     json.loads(cluster.to_json())
     # matmuls and elementwise work measured in each narrow dtype too, as the cluster prices them
     device = cluster.device
+    # every rate as measured, over how much slower the processes computed over a long stretch (at least 1; version 6)
+    slowdown = device.sustained_slowdown
+    assert slowdown == max(1.0, report["device"]["sustained_slowdown"])
     for dtype in ("bfloat16", "float16"):
-        assert device.flops_per_s(dtype) == report["device"][f"peak_flops_per_s_{dtype}"] > 0
-        assert device.bandwidth_bytes_per_s(dtype) == report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] > 0
+        assert device.flops_per_s(dtype) == pytest.approx(report["device"][f"peak_flops_per_s_{dtype}"] / slowdown)
+        assert device.bandwidth_bytes_per_s(dtype) == pytest.approx(report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] / slowdown)
+        assert device.flops_per_s(dtype) > 0 and device.bandwidth_bytes_per_s(dtype) > 0
     assert Cluster.from_dict(json.loads(cluster.to_json())) == cluster
     for kind in (device.matmul_curves, device.elementwise_curves):  # a curve per dtype, every point measured
         assert {dtype for dtype, _ in kind} == {"float32", "bfloat16", "float16"}
         assert all(len(points) >= 1 and all(rate > 0 for _, rate in points) for _, points in kind)
     # and the rate a few-row matmul passes over its large operand, per dtype (version 4)
     assert {dtype for dtype, _ in device.matmul_stream_bytes_per_s_by_dtype} == {"float32", "bfloat16", "float16"}
-    assert device.matmul_stream_s("float32", 1.0) == 1.0 / report["device"]["matmul_stream_bytes_per_s"]
+    assert device.matmul_stream_s("float32", 1.0) == pytest.approx(slowdown / report["device"]["matmul_stream_bytes_per_s"])
     # and the seconds per element of the ops that compute more than they move (version 5)
     from metadist.cost.calibrate_worker import _element_ops
     import torch
 
     assert {op for op, _ in device.op_element_seconds} == set(_element_ops(torch.device("cpu")))
     assert all(seconds > 0 for _, seconds in device.op_element_seconds)
-    assert device.element_seconds("tanh") == report["device"]["op_element_s:tanh"]
+    assert device.element_seconds("tanh") == pytest.approx(slowdown * report["device"]["op_element_s:tanh"])
 
 
 # ---------------------------------------------------------------- bucketed collectives

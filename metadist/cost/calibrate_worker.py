@@ -290,7 +290,8 @@ def _sustained_slowdown(repeats: int = 15) -> float:
     Ranks that share cores are each given them in turns by the scheduler. A call of a millisecond or less often runs
     within one turn, so the medians of short calls measure a rank alone on a core; a step of tens of milliseconds
     shares its cores all along. On this project's 2-core machine 4 ranks computed 1.55-1.70x slower per iteration
-    over 6,000 iterations than in bursts of 20, where 2 ranks computed 0.90-0.94x (warm caches). The ratio of the two
+    over 4,000 iterations than in bursts of 20 (a calibration, over 6,000: 1.88x), where 2 ranks computed 0.90-0.94x
+    (warm caches). The ratio of the two
     per-iteration times, at least 1, scales the rates and per-op seconds (:func:`metadist.cost.calibrate.cluster_from_report`).
     """
     x = torch.randn(64, 64)

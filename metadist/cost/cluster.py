@@ -142,7 +142,7 @@ class Device:
     """How much slower the processes computed over a long stretch than in the calibration's short timed calls, all at
     once (``metadist calibrate`` on CPU; 1 elsewhere). Already applied: the rates above are divided by it and the
     per-op seconds multiplied. Processes that share cores take turns on them, which a call of a millisecond often does
-    not see: 4 processes on this project's 2-core machine, 1.55-1.70."""
+    not see: 4 processes on this project's 2-core machine, 1.55-1.9."""
 
     def __post_init__(self) -> None:
         pairs = _dtype_pairs(self.peak_flops_per_s_by_dtype)
