@@ -291,8 +291,8 @@ def _sustained_slowdown(repeats: int = 15) -> float:
     within one turn, so the medians of short calls measure a rank alone on a core; a step of tens of milliseconds
     shares its cores all along. On this project's 2-core machine 4 ranks computed 1.55-1.70x slower per iteration
     over 4,000 iterations than in bursts of 20 (a calibration, over 6,000: 1.88x), where 2 ranks computed 0.90-0.94x
-    (warm caches). The ratio of the two
-    per-iteration times, at least 1, scales the rates and per-op seconds (:func:`metadist.cost.calibrate.cluster_from_report`).
+    (warm caches). The ratio of the two per-iteration times is reported as measured;
+    :func:`metadist.cost.calibrate.sustained_slowdown` takes it at least 1 and scales the rates and per-op seconds by it.
     """
     x = torch.randn(64, 64)
 
@@ -310,7 +310,7 @@ def _sustained_slowdown(repeats: int = 15) -> float:
     mix(SUSTAINED_BURST_ITERATIONS)
     burst = statistics.median(timed(SUSTAINED_BURST_ITERATIONS) for _ in range(repeats))
     sustained = statistics.median(timed(SUSTAINED_ITERATIONS) for _ in range(3))
-    return max(sustained / burst, 1.0)
+    return sustained / burst
 
 
 class _CalibrationMLP(torch.nn.Module):
