@@ -46,6 +46,42 @@ def test_a_cached_report_gives_the_cluster_over_any_mesh_of_its_size(tmp_path):
         machine_cluster(Mesh((4,)), tmp_path)
 
 
+def test_an_axis_smaller_than_the_processes_takes_the_link_timed_on_groups_of_its_size(tmp_path):
+    """Version 7: the calibration times collectives on groups of 2 of 4 processes as well; a 2x2 mesh's axes are
+    priced by them, a mesh of 4 by the collectives among all 4; a pair's wait is its own in-step figure's, where
+    measured, else the whole link's."""
+    def rows(axis, size, fixed):
+        return [{"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": fixed + nbytes / 1e9}
+                for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") for nbytes in (4096, 1 << 20)]
+
+    report = {**REPORT, "world_size": 4, "mesh": [4], "measurements": rows(0, 4, 4e-3) + rows(-1, 2, 5e-4),
+              "device": {**REPORT["device"], "in_step_collective_s": 9e-3}}
+    save_calibration(calibration_path(tmp_path, 4), report, 4)
+    flat, square = machine_cluster(Mesh((4,)), tmp_path), machine_cluster(Mesh((2, 2)), tmp_path)
+    assert square.link(0) == square.link(1) != flat.link(0)
+    assert square.link(0).sync_s == flat.link(0).sync_s > 0
+    for kind in ("all_gather", "all_reduce"):  # the fitted fixed costs: 4 ms among 4, 0.5 ms between 2
+        assert flat.link(0).kind_cost(kind)[0] == pytest.approx(4e-3, rel=0.05)
+        assert square.link(0).kind_cost(kind)[0] == pytest.approx(5e-4, rel=0.05)
+    # with the pairs' in-step all-reduce measured, a pair's wait is that figure less the pair's isolated all-reduce
+    measured = {**report, "device": {**report["device"], "in_step_collective_s:2": 2e-3}}
+    save_calibration(calibration_path(tmp_path, 4), measured, 4)
+    pair = machine_cluster(Mesh((2, 2)), tmp_path).link(1)
+    isolated = pair.kind_cost("all_reduce")[0] + 4096 / pair.kind_cost("all_reduce")[1]
+    assert pair.sync_s == pytest.approx(2e-3 - isolated, rel=0.05) and pair.sync_s != flat.link(0).sync_s
+    assert machine_cluster(Mesh((4,)), tmp_path).link(0) == flat.link(0)
+    without = {**report, "measurements": rows(0, 4, 4e-3)}  # a calibration without them: the whole link everywhere
+    save_calibration(calibration_path(tmp_path, 4), without, 4)
+    assert machine_cluster(Mesh((2, 2)), tmp_path).link(1) == machine_cluster(Mesh((4,)), tmp_path).link(0)
+
+
+def test_the_group_sizes_timed_are_the_axes_other_meshes_of_the_processes_have():
+    from metadist.cost.calibrate_worker import _group_sizes
+
+    assert _group_sizes(4, [4]) == [2] and _group_sizes(4, [2, 2]) == []
+    assert _group_sizes(8, [8]) == [2, 4] and _group_sizes(2, [2]) == [] and _group_sizes(6, [6]) == [2, 3]
+
+
 def test_settings_choose_the_cpu_cluster(tmp_path):
     assert settings_from_env({"METADIST_CACHE_DIR": str(tmp_path)}).cpu_cluster == "calibrated"
     settings = settings_from_env({"METADIST_CACHE_DIR": str(tmp_path), "METADIST_CPU_CLUSTER": "cpu-gloo"})

@@ -54,6 +54,13 @@ def _axis_groups(shape: list[int]) -> list[object]:
     return mine
 
 
+def _group_sizes(world: int, shape: list[int]) -> list[int]:
+    """The group sizes an axis of another mesh of ``world`` processes can have that no axis of ``shape`` has: every
+    divisor between 1 and ``world``. Their collectives are timed on groups of consecutive ranks, all groups at once,
+    as a mesh's axis runs them (``"axis": -1`` in the report, ``"group_size"`` saying which)."""
+    return [size for size in range(2, world) if world % size == 0 and size not in shape]
+
+
 def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
     if op == "all_reduce":
         dist.all_reduce(tensor, group=group)
@@ -265,7 +272,7 @@ def _tiny_op_chain(length: int) -> torch.nn.Module:
 def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float]:
     """Every rank's figures -> the slowest rank's (lowest rates, highest overhead)."""
     keys = sorted(figures)
-    sign = [1.0 if key in _SECONDS or key.startswith("op_element_s:") else -1.0 for key in keys]
+    sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:")) else -1.0 for key in keys]
     values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
@@ -394,28 +401,38 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown()}
     if world > 1:
-        comm = Collectives.from_device_mesh(_world_mesh(world))
-        phase = _tiny_op_chain(100)
-        tiny, small = torch.ones(8), torch.ones(1024)
+        alone, extra = _in_step_collective(Collectives.from_device_mesh(_world_mesh(world)), 0, repeats)
+        figures.update(compute_phase_s=alone, in_step_collective_s=extra)
+        from torch.distributed.device_mesh import init_device_mesh
 
-        def computing() -> None:
-            phase(tiny)
-
-        def computing_then_reducing() -> None:
-            phase(tiny)
-            comm.all_reduce(small, 0, "sum")
-
-        for _ in range(3):
-            computing_then_reducing()
-        dist.barrier()
-        alone, extra = [], []
-        # interleaved, so that a change of the machine's load hits both alike; 135 pairs (~0.3 s): the difference is
-        # a few tenths of a millisecond to a few, and its median over 45 pairs moved 2x between two calibrations
-        for _ in range(9 * repeats):
-            alone.append(_median_seconds(computing, 1))
-            extra.append(_median_seconds(computing_then_reducing, 1) - alone[-1])
-        figures.update(compute_phase_s=statistics.median(alone), in_step_collective_s=max(statistics.median(extra), 0.0))
+        for size in _group_sizes(world, [world]):  # the same, between groups of ``size`` (all groups at once)
+            grouped = Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size)))
+            figures[f"in_step_collective_s:{size}"] = _in_step_collective(grouped, 1, repeats)[1]
     return figures
+
+
+def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:
+    """(a phase of tiny ops alone, what a 4 KiB all-reduce on ``axis`` of ``comm`` adds after it), medians."""
+    phase = _tiny_op_chain(100)
+    tiny, small = torch.ones(8), torch.ones(1024)
+
+    def computing() -> None:
+        phase(tiny)
+
+    def computing_then_reducing() -> None:
+        phase(tiny)
+        comm.all_reduce(small, axis, "sum")
+
+    for _ in range(3):
+        computing_then_reducing()
+    dist.barrier()
+    alone, extra = [], []
+    # interleaved, so that a change of the machine's load hits both alike; 135 pairs (~0.3 s): the difference is
+    # a few tenths of a millisecond to a few, and its median over 45 pairs moved 2x between two calibrations
+    for _ in range(9 * repeats):
+        alone.append(_median_seconds(computing, 1))
+        extra.append(_median_seconds(computing_then_reducing, 1) - alone[-1])
+    return statistics.median(alone), max(statistics.median(extra), 0.0)
 
 
 def _world_mesh(world: int):
@@ -445,7 +462,17 @@ def main(argv: list[str] | None = None) -> None:
                 except (RuntimeError, NotImplementedError, ValueError) as err:  # the backend lacks this collective
                     unsupported.append({"axis": axis, "op": op, "reason": str(err).splitlines()[0][:200]})
                     break
-                measurements.append({"axis": axis, "op": op, "bytes": nbytes, "seconds": seconds})
+                measurements.append({"axis": axis, "group_size": shape[axis], "op": op, "bytes": nbytes, "seconds": seconds})
+    world = dist.get_world_size()
+    for size in _group_sizes(world, shape):  # the axes of other meshes of this many processes (2x2 of 4: groups of 2)
+        group = _axis_groups([world // size, size])[1]
+        for op in OPS:
+            for nbytes in (int(s) for s in args.sizes.split(",")):
+                try:
+                    seconds = _time(op, nbytes, group, size, device, args.repeats)
+                except (RuntimeError, NotImplementedError, ValueError):  # said once, on the mesh's own axes
+                    break
+                measurements.append({"axis": -1, "group_size": size, "op": op, "bytes": nbytes, "seconds": seconds})
     dist.barrier()
     roofline = _slowest(_roofline(device), device)
     if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
