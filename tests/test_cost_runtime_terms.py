@@ -41,9 +41,9 @@ def test_per_node_costs_come_from_the_timed_captured_and_eager_steps():
 def test_sync_cost_is_the_in_step_collective_less_its_isolated_price():
     link = Link(bandwidth_bytes_per_s=1e9, latency_s=50e-6, call_overhead_s=100e-6, reduce_scatter_as_all_reduce=True)
     isolated, _ = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 2, link)
-    assert collective_sync_s(_figures(in_step_collective_s=isolated + 700e-6), link, 2) == pytest.approx(700e-6)
-    assert collective_sync_s(_figures(in_step_collective_s=isolated / 2), link, 2) == 0.0  # never negative
-    assert collective_sync_s(_figures(), link, 2) == 0.0 and collective_sync_s(_figures(in_step_collective_s=1.0), link, 1) == 0.0
+    assert collective_sync_s(isolated + 700e-6, link, 2) == pytest.approx(700e-6)
+    assert collective_sync_s(isolated / 2, link, 2) == 0.0  # never negative
+    assert collective_sync_s(None, link, 2) == 0.0 and collective_sync_s(1.0, link, 1) == 0.0
     # the report's figures reach the cluster: every link carries its sync cost, the device both per-node costs
     report = {"backend": "gloo", "memory_capacity_bytes": 1e9,
               "measurements": [{"axis": 0, "op": "all_reduce", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)],

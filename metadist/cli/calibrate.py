@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if cached is not None:
         console.print(f"cached as this machine's calibration for {args.nproc} processes: {cached}", markup=False)
     for item in report["unsupported"]:
-        console.print(f"not measured on axis {item['axis']}: {item['op']} ({item['reason']})", markup=False)
+        where = f"axis {item['axis']}" if item["axis"] >= 0 else f"groups of {item['group_size']}"
+        console.print(f"not measured on {where}: {item['op']} ({item['reason']})", markup=False)
     if args.json:
         write_atomically(args.json, cluster.to_json())
         console.print(f"cluster JSON written to {args.json}")

@@ -138,19 +138,20 @@ def sustained_slowdown(figures: Mapping[str, float]) -> float:
     return max(float(figures.get("sustained_slowdown", 1.0)), 1.0)
 
 
-def collective_sync_s(figures: Mapping[str, float], link: Link, axis_size: int) -> float:
+def collective_sync_s(in_step_s: float | None, link: Link, axis_size: int) -> float:
     """A collective's cost inside a step beyond what the isolated measurements priced (the link's ``sync_s``).
 
-    ``in_step_collective_s`` is what a small all-reduce added to a compute phase, as the runtime issues one
-    mid-step; less the link's own price of that all-reduce (fitted from collectives timed as all ranks leave a
-    barrier together), the rest is the wait for the slower peer. 0 without the figure or on one device.
+    ``in_step_s`` (the report's ``in_step_collective_s``, or ``in_step_collective_s:SIZE`` for groups of SIZE) is
+    what a small all-reduce added to a compute phase, as the runtime issues one mid-step; less the link's own price
+    of that all-reduce (fitted from collectives timed as all ranks leave a barrier together), the rest is the wait
+    for the slower peer. 0 without the figure or on one device.
     """
-    if axis_size <= 1 or "in_step_collective_s" not in figures:
+    if axis_size <= 1 or in_step_s is None:
         return 0.0
     from .comm import collective_seconds
 
     isolated, _ = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, axis_size, link)
-    return max(float(figures["in_step_collective_s"]) - isolated, 0.0)
+    return max(float(in_step_s) - isolated, 0.0)
 
 
 def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
@@ -160,7 +161,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     for axis, size in enumerate(mesh.shape):
         rows = [m for m in report["measurements"] if m["axis"] == axis]
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", report["backend"] == "gloo")
-        links.append(replace(link, sync_s=collective_sync_s(figures, link, size)))
+        links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size)))
     slowdown = sustained_slowdown(figures)
 
     def rates(values: Mapping[str, float]) -> dict[str, float]:
@@ -374,7 +375,7 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         if in_step is None:  # timed alone only: the whole link's wait
             links.append(replace(link, sync_s=whole.sync_s))
         else:
-            links.append(replace(link, sync_s=collective_sync_s({"in_step_collective_s": in_step}, link, size)))
+            links.append(replace(link, sync_s=collective_sync_s(in_step, link, size)))
     return Cluster(mesh=mesh, device=flat.device, axis_links=tuple(links), name=flat.name)
 
 

@@ -452,27 +452,21 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     shape = [int(part) for part in args.mesh.split("x")]
-    groups = _axis_groups(shape)
-    measurements, unsupported = [], []
-    for axis, group in enumerate(groups):
-        for op in OPS:
-            for nbytes in (int(s) for s in args.sizes.split(",")):
-                try:
-                    seconds = _time(op, nbytes, group, shape[axis], device, args.repeats)
-                except (RuntimeError, NotImplementedError, ValueError) as err:  # the backend lacks this collective
-                    unsupported.append({"axis": axis, "op": op, "reason": str(err).splitlines()[0][:200]})
-                    break
-                measurements.append({"axis": axis, "group_size": shape[axis], "op": op, "bytes": nbytes, "seconds": seconds})
     world = dist.get_world_size()
-    for size in _group_sizes(world, shape):  # the axes of other meshes of this many processes (2x2 of 4: groups of 2)
-        group = _axis_groups([world // size, size])[1]
+    # the mesh's own axes, then groups of the sizes other meshes of these processes have (2x2 of 4: pairs), all at once
+    timed = [(axis, shape[axis], group) for axis, group in enumerate(_axis_groups(shape))]
+    timed += [(-1, size, _axis_groups([world // size, size])[1]) for size in _group_sizes(world, shape)]
+    measurements, unsupported = [], []
+    for axis, size, group in timed:
         for op in OPS:
             for nbytes in (int(s) for s in args.sizes.split(",")):
                 try:
                     seconds = _time(op, nbytes, group, size, device, args.repeats)
-                except (RuntimeError, NotImplementedError, ValueError):  # said once, on the mesh's own axes
+                except (RuntimeError, NotImplementedError, ValueError) as err:  # the backend lacks this collective
+                    unsupported.append({"axis": axis, "group_size": size, "op": op,
+                                        "reason": str(err).splitlines()[0][:200]})
                     break
-                measurements.append({"axis": -1, "group_size": size, "op": op, "bytes": nbytes, "seconds": seconds})
+                measurements.append({"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": seconds})
     dist.barrier()
     roofline = _slowest(_roofline(device), device)
     if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
