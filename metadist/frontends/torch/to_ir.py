@@ -170,6 +170,8 @@ def fx_to_ir(
             continue
         if node.target is torch.ops.aten.copy.default and _same_tensor_type(node.args[0], node.args[1]):
             names[node] = names[node.args[1]]  # functional copy into a same-typed tensor: the source itself
+            if _lays_out_densely(node, node.args[1]):
+                contiguous.add(names[node.args[1]])
             continue
         if node.target is torch.ops.aten.copy_.default and node.args[0] in slot_of_placeholder:
             slot = slot_of_placeholder[node.args[0]]
@@ -210,3 +212,14 @@ def fx_to_ir(
 
 def _is_contiguous(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_contiguous()
+
+
+def _lays_out_densely(copy: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether a functional ``copy`` into a fresh contiguous tensor changes its ``source``'s layout: autograd's gradient
+    layout contract (a gradient laid out as its parameter; a weight gradient is often a transposed matmul result).
+
+    MetaIR drops the copy (the values are the source's), so the source is made contiguous after its op instead
+    (``TorchStep.contiguous_values``): every reader then reads the layout the trace's readers read. Without it, AdamW's
+    updates of Mixtral's expert weights read their transposed gradients and took 5-12x the time of a dense operand
+    (``python -m metadist.bench.op_costs mixtral-mini``)."""
+    return source.op == "call_function" and _is_contiguous(copy.meta.get("val")) and not _is_contiguous(source.meta.get("val"))
