@@ -324,3 +324,27 @@ def test_metadist_bench_passes_the_timing_to_the_harness():
     assert config.timing == "sequential" and config.timed_alone == ()
     config = harness.parse_args(harness_args(build_parser().parse_args(["bench", "mlp"]), "out.json"))
     assert config.timing == "interleaved" and config.timed_alone == ("single",)  # every method runs: single alone
+
+
+def test_op_costs_times_every_node_and_the_layout_copies_against_the_cost_models_price(capsys):
+    """``python -m metadist.bench.op_costs``: a row per node of the captured step (and one per copy the runtime makes to
+    follow the trace's layout, priced 0), each with the cost model's price and a measured time; summed per operator."""
+    from metadist.bench.op_costs import CONTIGUOUS_COPY, by_op, main, measure
+    from metadist.frontends.torch import capture_step
+    from metadist.workloads import builtin_workload
+
+    data = measure("mixtral-tiny", repeats=1, cluster_name="cpu-gloo")
+    workload = builtin_workload("mixtral-tiny")
+    step = capture_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
+                        workload.batch)
+    nodes = [row for row in data["nodes"] if row["op"] != CONTIGUOUS_COPY]
+    copies = [row for row in data["nodes"] if row["op"] == CONTIGUOUS_COPY]
+    assert [row["node"] for row in nodes] == [node.name for node in step.graph.nodes]
+    assert copies and all(row["node"].removesuffix(".contiguous()") in step.contiguous_values for row in copies)
+    assert all(row["measured_s"] > 0 for row in data["nodes"]) and all(row["predicted_s"] > 0 for row in nodes)
+    grouped = by_op(data["nodes"])
+    assert sum(entry["nodes"] for entry in grouped) == len(data["nodes"])
+    assert [entry["measured_s"] for entry in grouped] == sorted((entry["measured_s"] for entry in grouped), reverse=True)
+    assert main(["mlp", "--repeats", "1", "--cluster", "cpu-gloo", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.lstrip().startswith("mlp: ") and "nodes, each op timed alone" in out
