@@ -249,3 +249,23 @@ def test_a_run_says_why_the_solvers_plan_replicates_the_whole_step(capsys):
         assert ("runs the whole step on every rank" in out) is said, out
         if said:
             assert "'calibrated-gloo'" in out and "26.9 ms a step" in out and "--plan dp" in out
+
+
+def test_the_solver_byte_line_counts_a_gloo_reduce_scatter_as_the_all_reduce_it_runs(capsys):
+    """The solver prices gloo's reduce-scatter as the all-reduce gloo runs (twice the ring reduce-scatter's bytes); the
+    records keep the ring convention of each call, so the line comparing them doubles those on gloo, not on NCCL."""
+    from dataclasses import replace
+
+    from metadist.lowering.plans import replicate_plan
+    from metadist.runtime.collectives import CommRecord
+    from metadist.runtime.report import Reporter
+    from test_solver_helpers import mlp_step
+
+    graph, _ = mlp_step(8, 16, 32)
+    plan = replace(replicate_plan(graph, Mesh((2,)), "0.1.0"), estimate={"comm_bytes_by_axis": {"axis0": 3 * 2**20}})
+    records = {("step", "reduce_scatter", 0): CommRecord(4, 2 * 2**20), ("step", "all_gather", 0): CommRecord(4, 4 * 2**20),
+               ("boundary", "all_gather", 0): CommRecord(1, 64 * 2**20)}
+    for gloo, measured in ((True, "4.00 MiB"), (False, "3.00 MiB")):
+        Reporter(enabled=True).solver_estimate(plan, records, 2, reduce_scatter_as_all_reduce=gloo)
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"axis0: measured {measured}, solver 3.00 MiB" in out, out

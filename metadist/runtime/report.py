@@ -94,15 +94,20 @@ class Reporter:
             table.add_row("step", "(none)", "-", "0", "0 B", "0 B")
         self.console.print(table)
 
-    def solver_estimate(self, plan: Plan, records: Mapping, steps: int) -> None:
-        """The solver's per-axis byte estimate next to what ran (the cost model's check)."""
+    def solver_estimate(self, plan: Plan, records: Mapping, steps: int, reduce_scatter_as_all_reduce: bool = False) -> None:
+        """The solver's per-axis byte estimate next to what ran (the cost model's check).
+
+        The solver counts wire bytes: where the backend runs a reduce-scatter as an all-reduce of its whole input
+        (``reduce_scatter_as_all_reduce``: gloo), a reduce-scatter sends the all-reduce's bytes, twice its own by the
+        ring convention the records keep; the measured side is counted so too."""
         estimated = plan.estimate.get("comm_bytes_by_axis") if self.enabled else None
         if not estimated:
             return
         measured = {name: 0 for name in plan.mesh.axis_names}
-        for (phase, _, axis), record in records.items():
+        for (phase, kind, axis), record in records.items():
             if phase == "step":
-                measured[plan.mesh.axis_names[axis]] += record.bytes
+                wire = 2 if kind == "reduce_scatter" and reduce_scatter_as_all_reduce else 1
+                measured[plan.mesh.axis_names[axis]] += wire * record.bytes
         parts = [f"{name}: measured {human_bytes(measured.get(name, 0) / steps)}, solver {human_bytes(float(value))}"
                  for name, value in estimated.items()]
         self.console.print("bytes per step by axis (solver's estimate): " + "; ".join(parts))

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..ir import Mesh
 from ..ir.pipeline import PP_AXIS
@@ -222,7 +223,8 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
                       "(raise --steps to train further)")
         return 0
     reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), len(losses))
-    reporter.solver_estimate(plan, compiled.comm_records(), len(losses))
+    reporter.solver_estimate(plan, compiled.comm_records(), len(losses),
+                             reduce_scatter_as_all_reduce=dist.get_backend() == "gloo")
     report = None
     if reference is not None:
         report = compare_on_rank_zero(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None,
@@ -297,8 +299,6 @@ def wait_for_rank_zero(timeout_s: float) -> None:
     legitimately take longer than that, and rank 0 is alive while it runs (torchelastic ends the group if it dies).
     """
     import datetime
-
-    import torch.distributed as dist
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 24 * 3600.0)))
     dist.barrier(group=group)
