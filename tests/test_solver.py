@@ -387,35 +387,16 @@ def test_the_relaxation_takes_the_memory_rows_only_when_its_optimum_breaks_the_b
     assert (solution.objective_s > unconstrained.objective_s * (1 + 1e-9)) == binds
 
 
-def test_the_relaxation_runs_the_parallel_dual_simplex_to_the_serial_ones_optimum():
-    """The relaxation runs HiGHS's parallel dual simplex on HiGHS's own thread count; its optimum is the serial one's."""
-    from metadist.solver.ilp import SIMPLEX_PARALLEL_DUAL, ShardingILP, quiet_highs
-    from metadist.solver.problem import build_problem
-
-    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
-    ilp = ShardingILP(build_problem(graph, rules, H100X8), None)
-    parallel = ilp._run(60.0, relax=True)
-    assert parallel.getOptionValue("simplex_strategy")[1] == SIMPLEX_PARALLEL_DUAL
-    assert parallel.getOptionValue("threads")[1] == 0  # any other count clashes with a scheduler started with another
-    serial = quiet_highs()
-    model = ilp._model(with_memory_rows=True)
-    model.integrality_ = []
-    serial.passModel(model)
-    serial.setOptionValue("presolve", "off")
-    serial.setOptionValue("simplex_strategy", 1)
-    serial.run()
-    assert parallel.getInfo().objective_function_value == pytest.approx(serial.getInfo().objective_function_value, rel=1e-9)
-
-
 def test_highs_refusing_to_run_is_a_clear_solver_error():
     """HiGHS solves nothing when an option clashes with its process-wide state (a thread count other than its scheduler's):
-    a SolverError that says so, never a plan read from an unsolved model."""
-    from metadist.solver.ilp import quiet_highs, run_highs
+    a SolverError that says so, never a plan read from an unsolved model. MetaDist's own instances share one count."""
+    from metadist.solver.ilp import SOLVER_THREADS, quiet_highs, run_highs
 
     tiny = quiet_highs()
+    assert tiny.getOptionValue("threads")[1] == SOLVER_THREADS
     tiny.addVar(0.0, 1.0)
     tiny.changeColCost(0, 1.0)
-    run_highs(tiny)  # starts the scheduler (if nothing in this process has) on HiGHS's default thread count
+    run_highs(tiny)  # starts the scheduler (if nothing in this process has) on MetaDist's count
     clashing = quiet_highs()
     clashing.addVar(0.0, 1.0)
     clashing.setOptionValue("threads", 977)  # no scheduler started with this many

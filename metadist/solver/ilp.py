@@ -107,8 +107,11 @@ class Solution:
     """The layers the plan recomputes (their indices, :mod:`.recompute`); empty when none was offered or taken."""
 
 
-SIMPLEX_PARALLEL_DUAL = 2
-"""HiGHS's ``simplex_strategy`` for its parallel dual simplex (PAMI)."""
+SOLVER_THREADS = 1
+"""HiGHS's thread count in every instance MetaDist makes (one count for all: HiGHS refuses to run an instance whose
+count differs from the one its process-wide scheduler started with). One: the parallel dual simplex (PAMI) solved
+LLaMA-7B 8x8's relaxation in 1.8-2.3 s against 2.3-3.0 s alone on 2 cores, but four processes solving at once (as the
+bench's ranks price the baselines) took 56-63 s each against 6-7 s serially: its threads wait on each other."""
 
 
 def quiet_highs() -> highspy.Highs:
@@ -123,15 +126,17 @@ def quiet_highs() -> highspy.Highs:
         os.dup2(saved, 1)
         os.close(saved)
     highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", SOLVER_THREADS)
     return highs
 
 
 def run_highs(highs: highspy.Highs) -> None:
     """``highs.run()``, with a clear error where HiGHS refuses to start (bad options: it then solves nothing)."""
     if highs.run() == highspy.HighsStatus.kError and highs.getModelStatus() == highspy.HighsModelStatus.kNotset:
-        raise SolverError("HiGHS refused to solve the planning problem: an option it rejects, such as a 'threads' count "
-                          "other than the one its process-wide scheduler started with (code in this process that "
-                          "set one for HiGHS); leave HiGHS's 'threads' at its default (0) there")
+        raise SolverError(f"HiGHS refused to solve the planning problem: an option it rejects, such as a 'threads' count "
+                          f"other than the one its process-wide scheduler started with (code in this process that "
+                          f"started HiGHS first with another count); MetaDist's instances use {SOLVER_THREADS}: give "
+                          f"HiGHS that count there too")
 
 
 def _rowwise(rows: list[tuple[list[int], list[float], float, float]]) -> tuple[np.ndarray, ...]:
@@ -365,11 +370,6 @@ class ShardingILP:
         if relax:
             model.integrality_ = []
             highs.setOptionValue("presolve", "off")  # LLaMA-7B 8x8: 1.5 s of CPU without presolve, 3.3 s with it
-            # the parallel dual simplex (PAMI) on HiGHS's own thread count: LLaMA-7B 8x8 on 2 cores took 1.8-2.3 s
-            # against 2.3-3.0 s for the serial one, with the same 21,336 iterations and the same optimum. The thread
-            # count stays HiGHS's default (0): a count set here that differs from the one its process-wide scheduler
-            # started with makes HiGHS refuse to run
-            highs.setOptionValue("simplex_strategy", SIMPLEX_PARALLEL_DUAL)
         highs.passModel(model)
         if start is not None:
             solution = highspy.HighsSolution()
