@@ -170,6 +170,10 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     device = planned.cluster.device
     predicted = {**_estimate_summary(plan.estimate), "nodes": len(planned.torch_step.graph.nodes),
                  "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
+    routing = planned.torch_step.graph.routing
+    if routing:  # the static experts' extra rows: what a baseline running the library's own experts does not compute
+        predicted["expert_rows_over_routed"] = (sum(r.num_experts * r.groups * r.capacity for r in routing)
+                                                / sum(r.tokens * r.top_k for r in routing))
     return prepared, compile_s, predicted
 
 

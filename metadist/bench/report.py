@@ -687,7 +687,16 @@ def never_lose_lines(runs: Sequence[BenchRun]) -> list[str]:
 
 
 def _why_slower(ours: MethodResult, best: MethodResult) -> str:
-    """One line: what the figures say about a loss (the cost model's view against the measurement)."""
+    """One line: what the figures say about a loss (the cost model's view against the measurement), led by the static
+    experts' extra work where the model routes tokens (the baselines, torch's own, run the library's experts on their
+    routed tokens only)."""
+    experts = ours.predicted.get("expert_rows_over_routed")
+    lead = (f"the experts run with static shapes, computing x{experts:.1f} the token rows the routing asks for "
+            f"({best.method} runs the library's experts on their routed tokens only); " if experts and experts > 1 else "")
+    return lead + _why_slower_figures(ours, best)
+
+
+def _why_slower_figures(ours: MethodResult, best: MethodResult) -> str:
     calls = f"{sum(ours.comm_calls_by_kind.values())} collective calls against {sum(best.comm_calls_by_kind.values())}"
     ours_s, best_s = ours.predicted.get("step_s"), best.predicted.get("step_s")
     if not ours_s:

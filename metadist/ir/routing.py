@@ -45,6 +45,12 @@ class ExpertRouting:
         """No token can be dropped: the captured layer equals the model's own (rounding aside)."""
         return self.capacity >= self.group_tokens
 
+    @property
+    def computed_over_routed(self) -> float:
+        """Token rows the static experts compute (``E * G * C``) over the rows the routing asks for (``T * k``): ``E / k``
+        when dropless, what the static shapes cost against a library that runs each expert on its own tokens."""
+        return self.num_experts * self.groups * self.capacity / (self.tokens * self.top_k)
+
     def describe(self) -> str:
         mode = ("dropless" if self.dropless
                 else f"capacity {self.capacity} of {self.group_tokens} per expert and group (tokens past it dropped)")
