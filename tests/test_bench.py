@@ -356,14 +356,14 @@ def test_never_lose_leads_with_the_static_experts_extra_rows_where_the_model_rou
     from dataclasses import replace
 
     from metadist.bench.report import never_lose_lines
-    from metadist.ir.routing import ExpertRouting
+    from metadist.ir.routing import ExpertRouting, computed_over_routed
 
     routing = ExpertRouting(module="model.layers.0.mlp.experts", num_experts=8, top_k=2, tokens=64, groups=4, group_tokens=16,
                             capacity=16)
-    assert routing.dropless and routing.computed_over_routed == 4.0
+    assert routing.dropless and computed_over_routed([routing]) == 4.0
     run = _fixture_run()
     per_node = {"step_s": 0.004, "nodes": 1000, "op_overhead_s": 20e-6, "eager_op_overhead_s": 8e-6,
-                "expert_rows_over_routed": routing.computed_over_routed}
+                "expert_rows_over_routed": computed_over_routed([routing])}
     methods = tuple(replace(m, predicted={**m.predicted, **per_node}) if m.method == "metadist-ilp"
                     else replace(m, predicted={**m.predicted, "step_s": 0.002}) if m.method == "ddp" else m for m in run.methods)
     (line,) = never_lose_lines([replace(run, methods=methods)])
@@ -371,4 +371,5 @@ def test_never_lose_leads_with_the_static_experts_extra_rows_where_the_model_rou
     assert why.startswith("the experts run with static shapes, computing x4.0 the token rows the routing asks for "
                           "(ddp runs the library's experts on their routed tokens only); the captured step's 1000 nodes")
     capped = replace(routing, capacity=5)  # C = ceil(1.25 * k * S / E): 5 slots of 16
-    assert not capped.dropless and capped.computed_over_routed == 8 * 4 * 5 / (64 * 2)
+    assert not capped.dropless and computed_over_routed([capped]) == 8 * 4 * 5 / (64 * 2)
+    assert computed_over_routed([routing, capped]) == 8 * 4 * (16 + 5) / (2 * 64 * 2)  # rows summed over the layers

@@ -172,8 +172,9 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
                  "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
     routing = planned.torch_step.graph.routing
     if routing:  # the static experts' extra rows: what a baseline running the library's own experts does not compute
-        predicted["expert_rows_over_routed"] = (sum(r.num_experts * r.groups * r.capacity for r in routing)
-                                                / sum(r.tokens * r.top_k for r in routing))
+        from ..ir.routing import computed_over_routed
+
+        predicted["expert_rows_over_routed"] = computed_over_routed(routing)
     return prepared, compile_s, predicted
 
 

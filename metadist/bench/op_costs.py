@@ -39,7 +39,7 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
     from ..cost.cluster import resolve_cluster
     from ..config import settings_from_env
     from ..frontends.torch import capture_step
-    from ..frontends.torch.execute import materialize, resolve_op
+    from ..frontends.torch.execute import bound_call, node_results
     from ..ir import Mesh
     from ..solver.estimate import node_compute_s
     from ..solver.strategies import replicated_strategy
@@ -59,11 +59,8 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
     rows = []
     with torch.no_grad():
         for node in graph.nodes:
-            op = resolve_op(node.op.target)
-            args = [materialize(arg, env) for arg in node.args]
-            kwargs = {key: materialize(arg, env) for key, arg in node.kwargs}
-            result = op(*args, **kwargs)
-            outputs = (result,) if len(node.outputs) == 1 and not isinstance(result, (tuple, list)) else tuple(result)
+            op, args, kwargs = bound_call(node, env)
+            outputs = node_results(node, op(*args, **kwargs))
             strategy = replicated_strategy(len(node.input_names), [value is not None for value in node.outputs], mesh)
             rows.append({"node": node.name, "op": node.op.target,
                          "predicted_s": node_compute_s(graph, node.name, strategy, cluster),

@@ -12,9 +12,9 @@ expert's capacity in their group lose that expert's share, and the record says s
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["ExpertRouting"]
+__all__ = ["ExpertRouting", "computed_over_routed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,12 +45,6 @@ class ExpertRouting:
         """No token can be dropped: the captured layer equals the model's own (rounding aside)."""
         return self.capacity >= self.group_tokens
 
-    @property
-    def computed_over_routed(self) -> float:
-        """Token rows the static experts compute (``E * G * C``) over the rows the routing asks for (``T * k``): ``E / k``
-        when dropless, what the static shapes cost against a library that runs each expert on its own tokens."""
-        return self.num_experts * self.groups * self.capacity / (self.tokens * self.top_k)
-
     def describe(self) -> str:
         mode = ("dropless" if self.dropless
                 else f"capacity {self.capacity} of {self.group_tokens} per expert and group (tokens past it dropped)")
@@ -63,3 +57,11 @@ class ExpertRouting:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ExpertRouting":
         return cls(**data)
+
+
+def computed_over_routed(records: Sequence[ExpertRouting]) -> float:
+    """Token rows the static experts of ``records`` compute (``E * G * C`` each) over the rows their routing asks for
+    (``T * k`` each): ``E / k`` when dropless, what the static shapes cost against a library that runs each expert on
+    its own tokens."""
+    return (sum(r.num_experts * r.groups * r.capacity for r in records)
+            / sum(r.tokens * r.top_k for r in records))

@@ -48,15 +48,23 @@ def materialize(arg: Any, env: Mapping[str, Any]) -> Any:
     return arg
 
 
-def execute_node(node: Node, env: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Run one node on concrete tensors; returns one entry per node output."""
-    op = resolve_op(node.op.target)
-    args = [materialize(arg, env) for arg in node.args]
-    kwargs = {key: materialize(arg, env) for key, arg in node.kwargs}
-    result = op(*args, **kwargs)
+def bound_call(node: Node, env: Mapping[str, Any]) -> tuple[torch._ops.OpOverload, list[Any], dict[str, Any]]:
+    """The node's operator and its arguments decoded from ``env``: what :func:`execute_node` calls."""
+    return (resolve_op(node.op.target), [materialize(arg, env) for arg in node.args],
+            {key: materialize(arg, env) for key, arg in node.kwargs})
+
+
+def node_results(node: Node, result: Any) -> tuple[Any, ...]:
+    """The operator's ``result`` as one entry per node output."""
     if len(node.outputs) == 1 and not isinstance(result, (tuple, list)):
         return (result,)
     return tuple(result)
+
+
+def execute_node(node: Node, env: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Run one node on concrete tensors; returns one entry per node output."""
+    op, args, kwargs = bound_call(node, env)
+    return node_results(node, op(*args, **kwargs))
 
 
 def execute_graph(
