@@ -265,7 +265,7 @@ def test_the_solver_byte_line_counts_a_gloo_reduce_scatter_as_the_all_reduce_it_
     plan = replace(replicate_plan(graph, Mesh((2,)), "0.1.0"), estimate={"comm_bytes_by_axis": {"axis0": 3 * 2**20}})
     records = {("step", "reduce_scatter", 0): CommRecord(4, 2 * 2**20), ("step", "all_gather", 0): CommRecord(4, 4 * 2**20),
                ("boundary", "all_gather", 0): CommRecord(1, 64 * 2**20)}
-    for gloo, measured in ((True, "4.00 MiB"), (False, "3.00 MiB")):
-        Reporter(enabled=True).solver_estimate(plan, records, 2, reduce_scatter_as_all_reduce=gloo)
+    for backend, measured in (("gloo", "4.00 MiB"), ("nccl", "3.00 MiB")):
+        Reporter(enabled=True).solver_estimate(plan, records, 2, backend)
         out = " ".join(capsys.readouterr().out.split())
         assert f"axis0: measured {measured}, solver 3.00 MiB" in out, out

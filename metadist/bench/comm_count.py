@@ -33,6 +33,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
+from ..cost.comm import backend_reduce_scatters_as_all_reduce, carried_kind
+
 log = logging.getLogger(__name__)
 
 #: c10d dispatcher op -> (collective kind, how its payload is read from its tensor arguments).
@@ -101,7 +103,7 @@ class CollectiveCall:
             return None
         if n == 1:
             return 0.0
-        if self.kind == "all_reduce" or (self.kind == "reduce_scatter" and self.reduce_scatter_as_all_reduce):
+        if carried_kind(self.kind, self.reduce_scatter_as_all_reduce) == "all_reduce":
             return 2 * (n - 1) / n * self.payload_bytes
         return (n - 1) / n * self.payload_bytes
 
@@ -198,7 +200,7 @@ def count_collectives(events: Sequence[TraceEvent], start_ns: int, end_ns: int, 
         if event.name not in C10D_OPS or not start_ns <= event.start_ns <= end_ns:
             continue
         call = _call_of(event, backend_events, used, default_group_size)
-        calls.append(replace(call, reduce_scatter_as_all_reduce=True) if backend == "gloo" else call)
+        calls.append(replace(call, reduce_scatter_as_all_reduce=backend_reduce_scatters_as_all_reduce(backend)))
     count = CommCount(tuple(calls))
     if count.assumed_dtype_calls:
         log.warning("%d collective(s) had no recorded dtype; counted with %d-byte elements",

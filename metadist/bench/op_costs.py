@@ -35,7 +35,7 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
     import torch
 
     from ..cost.calibrate import machine_cluster
-    from ..cost.calibrate_worker import _median_seconds
+    from ..cost.calibrate_worker import median_seconds
     from ..cost.cluster import resolve_cluster
     from ..config import settings_from_env
     from ..frontends.torch import capture_step
@@ -64,7 +64,7 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
             strategy = replicated_strategy(len(node.input_names), [value is not None for value in node.outputs], mesh)
             rows.append({"node": node.name, "op": node.op.target,
                          "predicted_s": node_compute_s(graph, node.name, strategy, cluster),
-                         "measured_s": _median_seconds(lambda: op(*args, **kwargs), repeats)})
+                         "measured_s": median_seconds(lambda: op(*args, **kwargs), repeats)})
             for value, tensor in zip(node.outputs, outputs):
                 if value is None:
                     continue
@@ -74,7 +74,7 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
                     # the cost model does not price
                     env[value.name] = tensor.contiguous()
                     rows.append({"node": f"{value.name}.contiguous()", "op": CONTIGUOUS_COPY, "predicted_s": 0.0,
-                                 "measured_s": _median_seconds(tensor.contiguous, repeats)})
+                                 "measured_s": median_seconds(tensor.contiguous, repeats)})
     return {"model": model, "cluster": cluster.name, "repeats": repeats, "nodes": rows}
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..ir import Mesh
 from .cluster import Cluster, ClusterError, Device, Link
+from .comm import backend_reduce_scatters_as_all_reduce, carried_kind
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def fit_link(measurements: list[Mapping[str, Any]], axis_size: int, name: str, r
                     reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce)
 
     def wire(op: str) -> str:
-        return "all_reduce" if op == "reduce_scatter" and reduce_scatter_as_all_reduce else op
+        return carried_kind(op, reduce_scatter_as_all_reduce)
 
     rows = [[1.0, _STEPS[wire(m["op"])] * (axis_size - 1), _sent_bytes(wire(m["op"]), m["bytes"], axis_size)] for m in measurements]
     seconds = np.array([m["seconds"] for m in measurements])
@@ -160,7 +161,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     figures = report["device"]
     for axis, size in enumerate(mesh.shape):
         rows = [m for m in report["measurements"] if m["axis"] == axis]
-        link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", report["backend"] == "gloo")
+        link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size)))
     slowdown = sustained_slowdown(figures)
 
@@ -370,7 +371,7 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         if size == mesh.size or not rows:
             links.append(whole)
             continue
-        link = fit_link(rows, size, f"{report['backend']}-group{size}", report["backend"] == "gloo")
+        link = fit_link(rows, size, f"{report['backend']}-group{size}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         in_step = report["device"].get(f"in_step_collective_s:{size}")
         if in_step is None:  # timed alone only: the whole link's wait
             links.append(replace(link, sync_s=whole.sync_s))

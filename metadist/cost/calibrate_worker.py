@@ -206,7 +206,7 @@ def _per_call_seconds(call, device: torch.device, budget_s: float = 0.004) -> fl
             call()
         sync()
 
-    return _median_seconds(calls, 5) / repeats
+    return median_seconds(calls, 5) / repeats
 
 
 def _net_rate(work: float, seconds: float, floor: float) -> float:
@@ -343,7 +343,7 @@ def _calibration_step(model, optimizer, batch):
     return loss
 
 
-def _median_seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int) -> float:
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -395,8 +395,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     dist.barrier()
     captured, eager = [], []
     for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
-        captured.append(_median_seconds(lambda: step(model, optimizer, batch), 1))
-        eager.append(_median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), 1))
+        captured.append(median_seconds(lambda: step(model, optimizer, batch), 1))
+        eager.append(median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), 1))
     step_s, eager_s = statistics.median(captured), statistics.median(eager)
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown()}
@@ -430,8 +430,8 @@ def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:
     # interleaved, so that a change of the machine's load hits both alike; 135 pairs (~0.3 s): the difference is
     # a few tenths of a millisecond to a few, and its median over 45 pairs moved 2x between two calibrations
     for _ in range(9 * repeats):
-        alone.append(_median_seconds(computing, 1))
-        extra.append(_median_seconds(computing_then_reducing, 1) - alone[-1])
+        alone.append(median_seconds(computing, 1))
+        extra.append(median_seconds(computing_then_reducing, 1) - alone[-1])
     return statistics.median(alone), max(statistics.median(extra), 0.0)
 
 

@@ -97,9 +97,27 @@ def collective_seconds(kind: str, buffer_bytes: float, axis_size: int, link: Lin
     return priced_collective(kind, ring_bytes, n, link, fixed_share)
 
 
+def backend_reduce_scatters_as_all_reduce(backend: str) -> bool:
+    """Whether the torch.distributed ``backend`` carries out a reduce-scatter as an all-reduce of its whole input
+    (gloo does; each rank then keeps its piece)."""
+    return backend == "gloo"
+
+
+def carried_kind(kind: str, reduce_scatter_as_all_reduce: bool) -> str:
+    """The collective a backend carries out for ``kind``: an all-reduce for a reduce-scatter where
+    ``reduce_scatter_as_all_reduce`` (:func:`backend_reduce_scatters_as_all_reduce`)."""
+    return "all_reduce" if kind == "reduce_scatter" and reduce_scatter_as_all_reduce else kind
+
+
 def wire_kind(kind: str, link: Link) -> str:
-    """The collective the backend carries out for ``kind``: gloo runs a reduce-scatter as an all-reduce."""
-    return "all_reduce" if kind == "reduce_scatter" and link.reduce_scatter_as_all_reduce else kind
+    """The collective the backend carries out for ``kind`` on ``link``."""
+    return carried_kind(kind, link.reduce_scatter_as_all_reduce)
+
+
+def carried_bytes(kind: str, ring_bytes: float, reduce_scatter_as_all_reduce: bool) -> float:
+    """Bytes a rank sends for a ``kind`` that sends ``ring_bytes`` by its own ring algorithm: a reduce-scatter carried
+    as an all-reduce sends the all-reduce's, twice its own."""
+    return 2 * ring_bytes if carried_kind(kind, reduce_scatter_as_all_reduce) != kind else ring_bytes
 
 
 def _ring(kind: str, buffer_bytes: float, n: int) -> tuple[int, float]:
@@ -192,7 +210,7 @@ def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, 
     if n <= 1:
         return 0.0, 0.0
     wire = wire_kind(kind, link)
-    sent = 2 * ring_bytes if wire != kind else ring_bytes
+    sent = carried_bytes(kind, ring_bytes, link.reduce_scatter_as_all_reduce)
     share = 1.0 if kind == "all_to_all" else fixed_share
     measured = link.kind_cost(wire)
     if measured is not None:

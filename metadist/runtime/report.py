@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cli.common import human_bytes
+from ..cost.comm import backend_reduce_scatters_as_all_reduce, carried_bytes
 from ..ir import format_sharding
 from ..ir.plan import Plan
 from ..lowering import CoalescedReshard, RankProgram
@@ -94,20 +95,20 @@ class Reporter:
             table.add_row("step", "(none)", "-", "0", "0 B", "0 B")
         self.console.print(table)
 
-    def solver_estimate(self, plan: Plan, records: Mapping, steps: int, reduce_scatter_as_all_reduce: bool = False) -> None:
+    def solver_estimate(self, plan: Plan, records: Mapping, steps: int, backend: str) -> None:
         """The solver's per-axis byte estimate next to what ran (the cost model's check).
 
-        The solver counts wire bytes: where the backend runs a reduce-scatter as an all-reduce of its whole input
-        (``reduce_scatter_as_all_reduce``: gloo), a reduce-scatter sends the all-reduce's bytes, twice its own by the
-        ring convention the records keep; the measured side is counted so too."""
+        The solver counts the bytes the ``backend`` sends (:func:`metadist.cost.comm.carried_bytes`: on gloo a
+        reduce-scatter sends an all-reduce's); the records keep each collective's own ring bytes, and the measured side
+        is counted as the solver counts."""
         estimated = plan.estimate.get("comm_bytes_by_axis") if self.enabled else None
         if not estimated:
             return
-        measured = {name: 0 for name in plan.mesh.axis_names}
+        as_all_reduce = backend_reduce_scatters_as_all_reduce(backend)
+        measured = {name: 0.0 for name in plan.mesh.axis_names}
         for (phase, kind, axis), record in records.items():
             if phase == "step":
-                wire = 2 if kind == "reduce_scatter" and reduce_scatter_as_all_reduce else 1
-                measured[plan.mesh.axis_names[axis]] += wire * record.bytes
+                measured[plan.mesh.axis_names[axis]] += carried_bytes(kind, record.bytes, as_all_reduce)
         parts = [f"{name}: measured {human_bytes(measured.get(name, 0) / steps)}, solver {human_bytes(float(value))}"
                  for name, value in estimated.items()]
         self.console.print("bytes per step by axis (solver's estimate): " + "; ".join(parts))

@@ -223,8 +223,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
                       "(raise --steps to train further)")
         return 0
     reporter.comm(compiled.comm_records(), compiled.program.predicted_comm(), len(losses))
-    reporter.solver_estimate(plan, compiled.comm_records(), len(losses),
-                             reduce_scatter_as_all_reduce=dist.get_backend() == "gloo")
+    reporter.solver_estimate(plan, compiled.comm_records(), len(losses), dist.get_backend())
     report = None
     if reference is not None:
         report = compare_on_rank_zero(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None,
