@@ -162,11 +162,7 @@ class CompiledTrainStep:
     def _key(self, model: Any, optimizer: Any, batch: Any) -> tuple:
         from .frontends.torch.optim import optimizer_structure
 
-        modes, trainable = [], []
-        for module in model.modules():  # one walk: train/eval mode and trainable flags, module by module
-            modes.append(module.training)
-            trainable.extend(param.requires_grad for param in module._parameters.values() if param is not None)
-        return (id(model), id(optimizer), _batch_signature(batch), (tuple(modes), tuple(trainable)),
+        return (id(model), id(optimizer), _batch_signature(batch), _modes_and_trainable(model),
                 optimizer_structure(optimizer))
 
     def _why_new(self, key: tuple) -> str:
@@ -428,6 +424,24 @@ def plan(
     memory = None if memory_gb is None else int(memory_gb * 1e9)
     return plan_graph(graph, rules, resolve_cluster(cluster, mesh), memory_budget_bytes=memory, solver=solver,
                       reduce_dtype=None if policy is None else policy.reduce_dtype)
+
+
+def _modes_and_trainable(model: Any) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Every module's train/eval mode and every parameter's ``requires_grad``, module by module (each module once).
+
+    Read at every call: one walk over ``_modules`` (``model.modules()`` also builds every module's dotted name)."""
+    modes, trainable = [], []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        modes.append(module.training)
+        trainable.extend(param.requires_grad for param in module._parameters.values() if param is not None)
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return tuple(modes), tuple(trainable)
 
 
 def _batch_signature(batch: Any) -> tuple:

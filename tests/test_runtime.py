@@ -95,6 +95,64 @@ def test_replicated_rank_program_reproduces_the_single_device_step():
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_the_first_run_takes_out_only_the_layout_calls_that_did_nothing():
+    """A ``contiguous`` call on a value already contiguous is taken out after the probing run; one on a transposed
+    value stays, and the module computes the same afterwards."""
+    from metadist.runtime.graph_module import LayoutProbe, drop_contiguous_calls
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    summed = graph.call_method("contiguous", (graph.call_function(torch.ops.aten.add.Tensor, (x, x)),))
+    flipped = graph.call_method("contiguous", (graph.call_function(torch.ops.aten.t.default, (x,)),))
+    graph.output((summed, graph.call_function(torch.ops.aten.mul.Tensor, (flipped, 2.0))))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    data = torch.arange(6.0).reshape(2, 3)
+    probe = LayoutProbe(module)
+    want = probe.run(data)
+    assert [node.args[0].target for node in probe.no_ops] == [torch.ops.aten.add.Tensor]
+    assert drop_contiguous_calls(module, probe.no_ops) == 1
+    calls = [node for node in module.graph.nodes if node.op == "call_method"]
+    assert [node.args[0].target for node in calls] == [torch.ops.aten.t.default]
+    got = module(data)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].is_contiguous()
+
+
+def _three_steps_compiled_and_eager(model_name: str, mesh: tuple) -> dict:
+    import copy
+
+    import metadist
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload(model_name)
+    eager_model, model = workload.model, copy.deepcopy(workload.model)
+    eager_opt, opt = workload.optimizer(eager_model.parameters()), workload.optimizer(model.parameters())
+    step = workload.train_step()
+    compiled = metadist.compile(step, mesh=mesh, plan="solver", cluster="cpu-gloo")
+    losses, layout_calls = [], []
+    for _ in range(3):
+        losses.append((float(compiled(model, opt, workload.batch)), float(step(eager_model, eager_opt, workload.batch))))
+        layout_calls.append(sum(node.op == "call_method" and node.target == "contiguous"
+                                for node in compiled.compiled.module.graph.nodes))
+    worst = max((param.full_tensor() - eager).abs().max().item()
+                for param, eager in zip(model.parameters(), eager_model.parameters()))
+    return {"losses": losses, "layout_calls": layout_calls, "traced_contiguous": len(compiled.torch_step.contiguous_values),
+            "worst": worst}
+
+
+@pytest.mark.distributed
+def test_a_compiled_step_drops_its_idle_layout_calls_after_the_first_call_and_keeps_the_eager_result():
+    """The first call probes the layouts; later calls run the module without the idle ``contiguous`` calls, and
+    three steps of a model with transposed weights and gradients still equal the eager ones (2 processes)."""
+    from test_runtime_support import run_distributed
+
+    for result in run_distributed(_three_steps_compiled_and_eager, 2, "llama-tiny", (2,), timeout_s=300):
+        for got, want in result["losses"]:
+            assert abs(got - want) <= 1e-5 * abs(want), result["losses"]
+        calls = result["layout_calls"]
+        assert calls[0] == calls[1] == calls[2] < result["traced_contiguous"], (calls, result["traced_contiguous"])
+        assert result["worst"] < 1e-4, result["worst"]
+
+
 def test_check_tolerances_and_report():
     reference = ReferenceRun((1.0,), {"w": torch.tensor([1.0, 2.0, 0.0])}, {"w": torch.tensor([0.5, 0.5, 0.5])})
     close = compare_runs(reference, [1.0 + 1e-6], {"w": torch.tensor([1.00001, 2.0, 5e-6])}, {"w": torch.tensor([0.5, 0.5, 0.5])})

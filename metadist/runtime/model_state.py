@@ -87,15 +87,24 @@ def is_sharded_here(tensor: Any, device_mesh: DeviceMesh) -> bool:
     return isinstance(tensor, DTensor) and tensor.device_mesh == device_mesh
 
 
-def set_local(tensor: DTensor, local: torch.Tensor, what: str) -> None:
-    """Make ``local`` the local shard of ``tensor`` (same shape, dtype and device; see the module docstring)."""
+def set_local(tensor: DTensor, local: torch.Tensor, what: str | StateSlot) -> None:
+    """Make ``local`` the local shard of ``tensor`` (same shape, dtype and device; see the module docstring).
+
+    ``what`` names the tensor in the error: a name, or the slot it fills (named only when the error is raised: a
+    compiled step rebinds every state tensor at every call)."""
     current = tensor._local_tensor
     if local.shape != current.shape or local.dtype != current.dtype or local.device != current.device:
         raise RunInputError(
-            f"internal: the new shard of {what} is {tuple(local.shape)} {local.dtype} on {local.device}, the held one "
-            f"{tuple(current.shape)} {current.dtype} on {current.device}"
+            f"internal: the new shard of {_describe(what)} is {tuple(local.shape)} {local.dtype} on {local.device}, "
+            f"the held one {tuple(current.shape)} {current.dtype} on {current.device}"
         )
     tensor._local_tensor = local if local.is_contiguous() else local.contiguous()
+
+
+def _describe(what: str | StateSlot) -> str:
+    if isinstance(what, str):
+        return what
+    return f"optimizer state {what.state_key!r} of {what.key!r}" if what.kind == "state" else f"{what.kind} {what.key!r}"
 
 
 def as_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, placements: tuple, global_shape: tuple[int, ...]) -> DTensor:
@@ -134,6 +143,10 @@ class StateBinding:
         self.model, self.optimizer, self.device_mesh = model, optimizer, device_mesh
         holders = holders_of(model)
         self._holders = {slot.name: holders[(slot.kind, slot.key)] for slot in slots if slot.kind in ("param", "buffer")}
+        self._tables = {name: tuple((holder.module._parameters if holder.kind == "param" else holder.module._buffers,
+                                     holder.attr) for holder in entry)
+                        for name, entry in self._holders.items()}
+        """Per parameter or buffer input: the ``(table, attr)`` of each place it lives (read at every call)."""
         self._tensors: dict[str, torch.Tensor] = {}
         for slot in slots:
             if slot.kind in ("param", "buffer"):
@@ -153,9 +166,9 @@ class StateBinding:
         if slot.kind == "state":
             return self._state_local(slot)
         expected = self._tensors[name]
-        for holder in self._holders[name]:
-            if holder.get() is not expected:
-                raise _replaced_error(slot, holder)
+        for table, attr in self._tables[name]:
+            if table.get(attr) is not expected:
+                raise _replaced_error(slot, next(h for h in self._holders[name] if h.get() is not expected))
         return expected._local_tensor
 
     def write(self, name: str, local: torch.Tensor) -> None:
@@ -165,11 +178,11 @@ class StateBinding:
             state = self.optimizer.state[self._tensors[slot.key]]
             held = state[slot.state_key]
             if isinstance(held, DTensor):
-                set_local(held, local, f"optimizer state {slot.state_key!r} of {slot.key!r}")
+                set_local(held, local, slot)
             else:
                 state[slot.state_key] = local
             return
-        set_local(self._tensors[name], local, f"{slot.kind} {slot.key!r}")
+        set_local(self._tensors[name], local, slot)
 
     def _state_local(self, slot: StateSlot) -> torch.Tensor:
         """The local shard of an optimizer state, placed as the step needs it.

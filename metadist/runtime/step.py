@@ -33,11 +33,11 @@ from ..frontends.torch.precision import SUBNORMAL_METRIC, underflow_warning
 from ..frontends.torch.scaler import scaler_settings, scaler_state, write_scaler_state
 from ..ir import Replicate, Role, Shard
 from ..ir.plan import Plan
-from ..lowering import ProgramInput, RankProgram, lower, plan_resharding
+from ..lowering import ProgramInput, RankProgram, local_bounds, lower, plan_resharding
 from .checkpoint import dtensor_placements
-from .collectives import Collectives, run_steps
+from .collectives import Collectives, run_steps, take_bounds
 from .errors import RunInputError, RuntimeSetupError
-from .graph_module import CheckingInterpreter, build_rank_module
+from .graph_module import CheckingInterpreter, LayoutProbe, build_rank_module, drop_contiguous_calls
 from .host_memory import keep_freed_host_memory
 from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
 from .outside import enable_outside_forward
@@ -120,6 +120,12 @@ class CompiledStep:
         self.init_seed, self.init_fn = init_seed, init_fn
         self.batch_mode, self.verify_batch = batch_mode, verify_batch
         self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
+        self._probe_layouts = compile_backend is None and not check_shapes
+        """The next run goes through a :class:`.graph_module.LayoutProbe` (once)."""
+        self._actions: list[tuple[str, Any, Any]] | None = None
+        self._hyper_tensors: dict[str, tuple[type, Any, torch.Tensor]] = {}
+        self._batch_bounds: dict[str, tuple[tuple[int, int], ...]] = {}
+        self._gather_steps: dict[tuple[str, tuple], tuple] = {}
         self._binding: StateBinding | None = None
         self._bound_to: tuple[int, int] | None = None
         self._constants: dict[str, torch.Tensor] = {}
@@ -148,11 +154,27 @@ class CompiledStep:
         inputs = self._inputs(optimizer, batch)
         if self._draws_random:
             broadcast_rng_state(self.device)  # every rank draws as rank 0 (see broadcast_rng_state)
-        outputs = CheckingInterpreter(self.module).run(*inputs) if self.check_shapes else self._forward(*inputs)
+        if self.check_shapes:
+            outputs = CheckingInterpreter(self.module).run(*inputs)
+        elif self._probe_layouts:
+            outputs = self._run_probing_layouts(inputs)
+        else:
+            outputs = self._forward(*inputs)
         result = self._store(outputs)
         if optimizer is not None:
             optimizer._opt_called = True  # what optimizer.step() records; LR schedulers read it
         return result
+
+    def _run_probing_layouts(self, inputs: list[torch.Tensor]) -> Any:
+        """The first run: op by op, noting the layout calls that did nothing, which are then taken out of the module
+        (:class:`.graph_module.LayoutProbe`)."""
+        probe = LayoutProbe(self.module)
+        outputs = probe.run(*inputs)
+        dropped = drop_contiguous_calls(self.module, probe.no_ops)
+        self._forward = self.module
+        self._probe_layouts = False
+        log.info("rank at %s: %d layout calls did nothing on the first run and were taken out", self.coords, dropped)
+        return outputs
 
     def prepare(self, model: torch.nn.Module, optimizer: Any, batch: Any = None) -> None:
         """Place the state in the model and the optimizer for this plan (first call), without running a step."""
@@ -246,14 +268,27 @@ class CompiledStep:
             if slot.kind in _STATE_KINDS:
                 inputs.append(self._binding.read(program_input.name))
             elif slot.kind == "hyper":
-                inputs.append(hyperparameter_tensor(hyper, slot).to(self.device))
+                inputs.append(self._hyperparameter(hyper, slot))
             elif slot.kind == "constant":
                 inputs.append(self._constants[program_input.name])
             elif slot.kind == "scaler":
                 inputs.append(self._scaler_input(slot))
             else:
                 inputs.append(self._batch_piece(leaves, slot, program_input))
-        return inputs
+        # every run sees contiguous inputs, so the layout calls the first run found doing nothing stay so
+        return [tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in inputs]
+
+    def _hyperparameter(self, hyper: list[dict[str, float]], slot) -> torch.Tensor:
+        """The 0-dim tensor of a hyperparameter's live value; the last one again while the value stays (the program
+        never writes its inputs), a new one when the user changed it (a scheduler's learning rate)."""
+        value = hyper[slot.index][slot.state_key]
+        held = self._hyper_tensors.get(slot.name)
+        if held is not None and type(value) is held[0] and value == held[1]:
+            return held[2]
+        tensor = hyperparameter_tensor(hyper, slot).to(self.device)
+        if type(value) in (float, int, bool):
+            self._hyper_tensors[slot.name] = (type(value), value, tensor)
+        return tensor
 
     def _scaler_input(self, slot) -> torch.Tensor:
         """The GradScaler's scale or growth tracker (replicated), after checking its constants did not change."""
@@ -282,7 +317,11 @@ class CompiledStep:
             return self._local_batch_piece(leaf, slot, program_input)
         if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != expected:
             raise _batch_shape_error(slot, program_input, leaf)
-        return shard_full_tensor(leaf, program_input.sharding, self.plan.mesh.shape, self.coords).to(self.device)
+        bounds = self._batch_bounds.get(program_input.name)
+        if bounds is None:
+            bounds = self._batch_bounds[program_input.name] = local_bounds(expected, program_input.sharding,
+                                                                           self.plan.mesh, self.coords)
+        return take_bounds(leaf, bounds).to(self.device)
 
     def _local_batch_piece(self, leaf: Any, slot, program_input: ProgramInput) -> torch.Tensor:
         """With ``batch='local'``: this rank's slice is its piece when the plan splits dim 0 over every axis in
@@ -305,20 +344,39 @@ class CompiledStep:
         whole = gather_batch_dim0(leaf, self.device)
         return shard_full_tensor(whole, program_input.sharding, self.plan.mesh.shape, self.coords)
 
-    def _store(self, outputs: tuple[torch.Tensor, ...]) -> Any:
-        user_leaves = []
-        for graph_output, program_output, tensor in zip(self.torch_step.graph.outputs, self.program.outputs, outputs):
+    def _output_actions(self) -> list[tuple[str, Any, Any]]:
+        """Per program output, what :meth:`_store` does with it: ``(what, key, sharding)``."""
+        actions = []
+        for graph_output, program_output in zip(self.torch_step.graph.outputs, self.program.outputs):
             slot = self._slots.get(graph_output.replaces)
             if slot is not None and slot.kind == "scaler":
-                write_scaler_state(self.torch_step.scaler, slot.state_key, tensor)
+                actions.append(("scaler", slot.state_key, None))
             elif graph_output.replaces is not None:
-                self._binding.write(graph_output.replaces, tensor)
+                actions.append(("state", graph_output.replaces, None))
             elif graph_output.role is Role.GRAD:
-                self._grads[graph_output.source.removeprefix("grad:")] = tensor
+                actions.append(("grad", graph_output.source.removeprefix("grad:"), None))
             elif graph_output.role is Role.METRIC:
-                self.metrics[graph_output.source] = float(self._gather(tensor, graph_output.name, program_output.sharding))
+                actions.append(("metric", (graph_output.source, graph_output.name), program_output.sharding))
             else:
-                user_leaves.append(self._gather(tensor, graph_output.name, program_output.sharding))
+                actions.append(("user", graph_output.name, program_output.sharding))
+        return actions
+
+    def _store(self, outputs: tuple[torch.Tensor, ...]) -> Any:
+        if self._actions is None:
+            self._actions = self._output_actions()
+        user_leaves = []
+        write = self._binding.write
+        for (what, key, sharding), tensor in zip(self._actions, outputs):
+            if what == "state":
+                write(key, tensor)
+            elif what == "grad":
+                self._grads[key] = tensor
+            elif what == "user":
+                user_leaves.append(self._gather(tensor, key, sharding))
+            elif what == "scaler":
+                write_scaler_state(self.torch_step.scaler, key, tensor)
+            else:
+                self.metrics[key[0]] = float(self._gather(tensor, key[1], sharding))
         self._warn_underflow()
         return pytree.tree_unflatten(user_leaves, self.torch_step.output_tree)
 
@@ -334,9 +392,12 @@ class CompiledStep:
     # -- full tensors on request ---------------------------------------------
     def _gather(self, local: torch.Tensor, value_name: str, sharding: tuple) -> torch.Tensor:
         """The whole tensor from this rank's shard (collectives counted as ``boundary``)."""
-        spec = self.torch_step.graph.value(value_name).spec
-        whole = tuple(Replicate() for _ in sharding)
-        steps = plan_resharding(spec.shape, spec.itemsize, sharding, whole, self.plan.mesh, self.coords, what=f"%{value_name}")
+        steps = self._gather_steps.get((value_name, sharding))
+        if steps is None:
+            spec = self.torch_step.graph.value(value_name).spec
+            whole = tuple(Replicate() for _ in sharding)
+            steps = self._gather_steps[(value_name, sharding)] = plan_resharding(
+                spec.shape, spec.itemsize, sharding, whole, self.plan.mesh, self.coords, what=f"%{value_name}")
         with self.comm.counting_as("boundary"):
             return run_steps(self.comm, local, steps)
 
