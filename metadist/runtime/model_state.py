@@ -152,6 +152,9 @@ class StateBinding:
             if slot.kind in ("param", "buffer"):
                 self._tensors[slot.name] = self._holders[slot.name][0].get()
         self._slots = {slot.name: slot for slot in slots}
+        self._written: dict[str, DTensor] = {}
+        """Per state input, the DTensor it was last written to (checked then; a tensor the optimizer holds anew, as
+        after ``load_state_dict``, is checked again)."""
         self._placed: dict[str, DTensor] = {}
         """Per state input: the optimizer's DTensor last found placed as the step needs it. While the optimizer
         holds that very object it is read as it is (a DTensor's shape and placements do not change)."""
@@ -172,17 +175,24 @@ class StateBinding:
         return expected._local_tensor
 
     def write(self, name: str, local: torch.Tensor) -> None:
-        """Rebind the state input ``name`` to its updated shard ``local``."""
+        """Rebind the state input ``name`` to its updated shard ``local``.
+
+        The first write into each held DTensor checks the shard's shape, dtype and device against the held one
+        (through :func:`set_local`); the program's outputs are the same at every call, so later writes only rebind."""
         slot = self._slots[name]
         if slot.kind == "state":
             state = self.optimizer.state[self._tensors[slot.key]]
             held = state[slot.state_key]
-            if isinstance(held, DTensor):
-                set_local(held, local, slot)
-            else:
+            if not isinstance(held, DTensor):
                 state[slot.state_key] = local
-            return
-        set_local(self._tensors[name], local, slot)
+                return
+        else:
+            held = self._tensors[name]
+        if self._written.get(name) is held:
+            held._local_tensor = local if local.is_contiguous() else local.contiguous()
+        else:
+            set_local(held, local, slot)
+            self._written[name] = held
 
     def _state_local(self, slot: StateSlot) -> torch.Tensor:
         """The local shard of an optimizer state, placed as the step needs it.
