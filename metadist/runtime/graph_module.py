@@ -32,12 +32,13 @@ from .collectives import (
     unpack_all_to_all, unpack_reduce_scatter, unpad_to, zero_partial,
 )
 from .batching import batch_elementwise, merge_duplicates
+from .bindings import binding_for
 from .random_ops import draw_random
 from .errors import LocalOpError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_rank_module", "draw_random", "CheckingInterpreter", "LayoutProbe", "drop_contiguous_calls"]
+__all__ = ["build_rank_module", "draw_random", "CheckingInterpreter", "FirstRunProbe", "apply_first_run"]
 
 
 def build_rank_module(
@@ -292,36 +293,46 @@ def _identifier(name: str) -> str:
     return cleaned if cleaned and not cleaned[0].isdigit() else f"v_{cleaned}"
 
 
-class LayoutProbe(torch.fx.Interpreter):
-    """Runs a rank module once, noting each ``contiguous`` call whose input already was contiguous.
+class FirstRunProbe(torch.fx.Interpreter):
+    """Runs a rank module once, op by op, noting what :func:`apply_first_run` then changes in it.
 
-    The module makes every value the trace saw contiguous so after its op (``TorchStep.contiguous_values``), because
-    fake tensors do not always predict a kernel's strides. Most of those calls do nothing (810 of 1,774 calls of
-    llama-tiny's step, all of them no-ops there). A kernel's output strides follow from its inputs' shapes and strides
-    alone, so with the same input layouts (the compiled step passes contiguous inputs) a call that did nothing on
-    this run does nothing on every run: :func:`drop_contiguous_calls` takes those out.
+    - **Layout calls that do nothing.** The module makes every value the trace saw contiguous so after its op
+      (``TorchStep.contiguous_values``), because fake tensors do not always predict a kernel's strides. Most of those
+      calls do nothing (810 of 1,774 calls of llama-tiny's step, all of them there). A kernel's output strides follow
+      from its inputs' shapes and strides alone, so with the same input layouts (the compiled step passes contiguous
+      inputs) a call that did nothing on this run does nothing on every run.
+    - **Ops with a faster call.** Each ATen op whose Python binding makes the very same call (:mod:`.bindings`).
     """
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         super().__init__(module)
         self.no_ops: list[torch.fx.Node] = []
+        self.bindings: dict[torch.fx.Node, Any] = {}
 
     def run_node(self, node: torch.fx.Node) -> Any:
         if node.op == "call_method" and node.target == "contiguous":
             value = self.env[node.args[0]]
             if isinstance(value, torch.Tensor) and value.is_contiguous():
                 self.no_ops.append(node)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            binding = binding_for(node.target, args, kwargs)
+            if binding is not None:
+                self.bindings[node] = binding
         return super().run_node(node)
 
 
-def drop_contiguous_calls(module: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]) -> int:
-    """Take the ``contiguous`` calls ``nodes`` (a :class:`LayoutProbe`'s no-ops) out of ``module``; how many."""
-    for node in nodes:
+def apply_first_run(module: torch.fx.GraphModule, probe: FirstRunProbe) -> tuple[int, int]:
+    """Take the probe's idle ``contiguous`` calls out of ``module`` and call its ops through their bindings;
+    how many of each."""
+    for node in probe.no_ops:
         node.replace_all_uses_with(node.args[0])
         module.graph.erase_node(node)
-    if nodes:
+    for node, binding in probe.bindings.items():
+        node.target = binding
+    if probe.no_ops or probe.bindings:
         module.recompile()
-    return len(nodes)
+    return len(probe.no_ops), len(probe.bindings)
 
 
 class CheckingInterpreter(torch.fx.Interpreter):

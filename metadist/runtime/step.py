@@ -37,7 +37,7 @@ from ..lowering import ProgramInput, RankProgram, local_bounds, lower, plan_resh
 from .checkpoint import dtensor_placements
 from .collectives import Collectives, run_steps, take_bounds
 from .errors import RunInputError, RuntimeSetupError
-from .graph_module import CheckingInterpreter, LayoutProbe, build_rank_module, drop_contiguous_calls
+from .graph_module import CheckingInterpreter, FirstRunProbe, apply_first_run, build_rank_module
 from .host_memory import keep_freed_host_memory
 from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
 from .outside import enable_outside_forward
@@ -120,8 +120,8 @@ class CompiledStep:
         self.init_seed, self.init_fn = init_seed, init_fn
         self.batch_mode, self.verify_batch = batch_mode, verify_batch
         self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
-        self._probe_layouts = compile_backend is None and not check_shapes
-        """The next run goes through a :class:`.graph_module.LayoutProbe` (once)."""
+        self._probe = compile_backend is None and not check_shapes
+        """The next run goes through a :class:`.graph_module.FirstRunProbe` (once)."""
         self._actions: list[tuple[str, Any, Any]] | None = None
         self._hyper_tensors: dict[str, tuple[type, Any, torch.Tensor]] = {}
         self._batch_bounds: dict[str, tuple[tuple[int, int], ...]] = {}
@@ -156,8 +156,8 @@ class CompiledStep:
             broadcast_rng_state(self.device)  # every rank draws as rank 0 (see broadcast_rng_state)
         if self.check_shapes:
             outputs = CheckingInterpreter(self.module).run(*inputs)
-        elif self._probe_layouts:
-            outputs = self._run_probing_layouts(inputs)
+        elif self._probe:
+            outputs = self._run_probing(inputs)
         else:
             outputs = self._forward(*inputs)
         result = self._store(outputs)
@@ -165,15 +165,16 @@ class CompiledStep:
             optimizer._opt_called = True  # what optimizer.step() records; LR schedulers read it
         return result
 
-    def _run_probing_layouts(self, inputs: list[torch.Tensor]) -> Any:
-        """The first run: op by op, noting the layout calls that did nothing, which are then taken out of the module
-        (:class:`.graph_module.LayoutProbe`)."""
-        probe = LayoutProbe(self.module)
+    def _run_probing(self, inputs: list[torch.Tensor]) -> Any:
+        """The first run: op by op, noting the layout calls that did nothing and the ops that have a faster call,
+        then changed so in the module (:class:`.graph_module.FirstRunProbe`)."""
+        probe = FirstRunProbe(self.module)
         outputs = probe.run(*inputs)
-        dropped = drop_contiguous_calls(self.module, probe.no_ops)
+        dropped, bound = apply_first_run(self.module, probe)
         self._forward = self.module
-        self._probe_layouts = False
-        log.info("rank at %s: %d layout calls did nothing on the first run and were taken out", self.coords, dropped)
+        self._probe = False
+        log.info("rank at %s: %d layout calls did nothing on the first run and were taken out; %d ops called through "
+                 "their Python bindings", self.coords, dropped, bound)
         return outputs
 
     def prepare(self, model: torch.nn.Module, optimizer: Any, batch: Any = None) -> None:
