@@ -445,9 +445,11 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "The same model, optimizer and batch on one process, timed step by step in turn: the user's eager step, "
                   "the captured graph interpreted node by node, MetaDist's compiled rank program built one node per op, and "
                   "as `metadist.compile` builds it, small elementwise ops batched into `_foreach` calls and repeated small "
-                  "ops merged (`metadist.runtime.batching`). Milliseconds (median), ratio to eager in brackets. What is "
-                  "left over eager is the captured optimizer's formula (about 26 ops per parameter, most on 0-d tensors, "
-                  "none in place) and the step's wrapper (reading and writing the state where the model holds it).", "",
+                  "ops merged (`metadist.runtime.batching`). Both compiled columns are timed after their first call, "
+                  "which takes out the layout calls that did nothing and calls each op through torch's Python binding "
+                  "where that makes the same call (`metadist.runtime.graph_module.FirstRunProbe`). Milliseconds "
+                  "(median), ratio to eager in brackets. What is left over eager is mostly the step's wrapper: the "
+                  "variant key, and reading and writing the state where the model holds it.", "",
                   "```bash", overhead.get("command", "python -m metadist.bench.overhead_bench"), "```", "",
                   *overhead_markdown(overhead), ""]
     parts += ["## Plots", ""] + [f"![{title}]({path})" for title, path in images.items()] + [""]
