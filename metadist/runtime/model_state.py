@@ -87,24 +87,23 @@ def is_sharded_here(tensor: Any, device_mesh: DeviceMesh) -> bool:
     return isinstance(tensor, DTensor) and tensor.device_mesh == device_mesh
 
 
-def set_local(tensor: DTensor, local: torch.Tensor, what: str | StateSlot) -> None:
+def set_local(tensor: DTensor, local: torch.Tensor, slot: StateSlot) -> None:
     """Make ``local`` the local shard of ``tensor`` (same shape, dtype and device; see the module docstring).
 
-    ``what`` names the tensor in the error: a name, or the slot it fills (named only when the error is raised: a
-    compiled step rebinds every state tensor at every call)."""
+    ``slot``, the input the tensor fills, names it in the error (named only then: a compiled step rebinds every state
+    tensor at every call)."""
     current = tensor._local_tensor
     if local.shape != current.shape or local.dtype != current.dtype or local.device != current.device:
+        what = f"optimizer state {slot.state_key!r} of {slot.key!r}" if slot.kind == "state" else f"{slot.kind} {slot.key!r}"
         raise RunInputError(
-            f"internal: the new shard of {_describe(what)} is {tuple(local.shape)} {local.dtype} on {local.device}, "
+            f"internal: the new shard of {what} is {tuple(local.shape)} {local.dtype} on {local.device}, "
             f"the held one {tuple(current.shape)} {current.dtype} on {current.device}"
         )
+    _rebind(tensor, local)
+
+
+def _rebind(tensor: DTensor, local: torch.Tensor) -> None:
     tensor._local_tensor = local if local.is_contiguous() else local.contiguous()
-
-
-def _describe(what: str | StateSlot) -> str:
-    if isinstance(what, str):
-        return what
-    return f"optimizer state {what.state_key!r} of {what.key!r}" if what.kind == "state" else f"{what.kind} {what.key!r}"
 
 
 def as_dtensor(local: torch.Tensor, device_mesh: DeviceMesh, placements: tuple, global_shape: tuple[int, ...]) -> DTensor:
@@ -144,9 +143,9 @@ class StateBinding:
         holders = holders_of(model)
         self._holders = {slot.name: holders[(slot.kind, slot.key)] for slot in slots if slot.kind in ("param", "buffer")}
         self._tables = {name: tuple((holder.module._parameters if holder.kind == "param" else holder.module._buffers,
-                                     holder.attr) for holder in entry)
+                                     holder.attr, holder) for holder in entry)
                         for name, entry in self._holders.items()}
-        """Per parameter or buffer input: the ``(table, attr)`` of each place it lives (read at every call)."""
+        """Per parameter or buffer input: the ``(table, attr, holder)`` of each place it lives (read at every call)."""
         self._tensors: dict[str, torch.Tensor] = {}
         for slot in slots:
             if slot.kind in ("param", "buffer"):
@@ -169,9 +168,9 @@ class StateBinding:
         if slot.kind == "state":
             return self._state_local(slot)
         expected = self._tensors[name]
-        for table, attr in self._tables[name]:
+        for table, attr, holder in self._tables[name]:
             if table.get(attr) is not expected:
-                raise _replaced_error(slot, next(h for h in self._holders[name] if h.get() is not expected))
+                raise _replaced_error(slot, holder)
         return expected._local_tensor
 
     def write(self, name: str, local: torch.Tensor) -> None:
@@ -189,7 +188,7 @@ class StateBinding:
         else:
             held = self._tensors[name]
         if self._written.get(name) is held:
-            held._local_tensor = local if local.is_contiguous() else local.contiguous()
+            _rebind(held, local)
         else:
             set_local(held, local, slot)
             self._written[name] = held

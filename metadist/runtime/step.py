@@ -122,10 +122,10 @@ class CompiledStep:
         self._forward = torch.compile(self.module, backend=compile_backend) if compile_backend else self.module
         self._probe = compile_backend is None and not check_shapes
         """The next run goes through a :class:`.graph_module.FirstRunProbe` (once)."""
-        self._actions: list[tuple[str, Any, Any]] | None = None
         self._hyper_tensors: dict[str, tuple[type, Any, torch.Tensor]] = {}
         self._batch_bounds: dict[str, tuple[tuple[int, int], ...]] = {}
         self._gather_steps: dict[tuple[str, tuple], tuple] = {}
+        self._actions = self._output_actions()
         self._binding: StateBinding | None = None
         self._bound_to: tuple[int, int] | None = None
         self._constants: dict[str, torch.Tensor] = {}
@@ -363,8 +363,6 @@ class CompiledStep:
         return actions
 
     def _store(self, outputs: tuple[torch.Tensor, ...]) -> Any:
-        if self._actions is None:
-            self._actions = self._output_actions()
         user_leaves = []
         write = self._binding.write
         for (what, key, sharding), tensor in zip(self._actions, outputs):
