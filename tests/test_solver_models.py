@@ -52,3 +52,24 @@ def test_captured_gpt2_tiny_on_a_two_level_mesh(rules_db):
     zero3 = baseline_plan(graph, rules, cluster, "zero3")
     assert any(isinstance(p, Shard) for gi in graph.inputs_by_role(Role.PARAM) for p in zero3.input_shardings[gi.value.name])
     assert plan.estimate["step_s"] <= zero3.estimate["step_s"] * (1 + 1e-9)
+
+
+def test_the_backward_seed_reads_no_value_so_a_data_parallel_loss_is_reduced_with_the_gradients(rules_db):
+    """``ones_like(loss)``, the backward's seed, reads the loss for its shape only: captured as the factory it amounts
+    to, the loss is read by no node. Under data parallelism the loss is ``Partial`` until the end of the step; read by
+    the seed, it was all-reduced before the backward could start, a call of its own on the critical path. Now it is
+    reduced at the end, in the gradients' call. (The mean's count of targets, read by the
+    backward, is still reduced before it.)"""
+    from metadist.lowering import CoalescedReshard, Reshard, lower_for_rank
+
+    graph, rules = _graph_and_rules("mlp", rules_db)
+    assert not [node.op.target for node in graph.nodes if node.op.target.endswith("_like.default")]
+    loss = next(output.name for output in graph.outputs if output.role is Role.LOSS)
+    assert not [node.name for node in graph.nodes if loss in node.input_names]
+    plan = baseline_plan(graph, rules, cluster_for("cpu-gloo", Mesh((2,))), "dp")
+    program = lower_for_rank(graph, plan, 0, overlap=True)
+    (bucket,) = [item for item in program.instructions if isinstance(item, CoalescedReshard) and item.kind == "all_reduce"]
+    assert loss in {member.source for member in bucket.members}
+    weights = {output.replaces for output in graph.outputs if output.role is Role.PARAM}
+    assert len(bucket.members) > len(weights)  # every gradient with it
+    assert not [item for item in program.instructions if isinstance(item, Reshard) and item.source == loss]

@@ -19,6 +19,14 @@ __all__ = ["InputSlot", "fx_to_ir", "dtype_name", "op_target", "op_tags"]
 #: Ops that return their input unchanged in a functional graph; folded away.
 _IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
 
+#: Ops that read their tensor input for its shape, dtype, layout and device only; recorded as the factory they
+#: amount to (the trace's shapes are static), so the value they read is not an input of theirs. The backward's seed
+#: ``ones_like(loss)`` is one: read as an input, a loss that a plan leaves ``Partial`` had to be reduced before the
+#: backward could start, a collective on the critical path of every data-parallel step, where as an output only it
+#: is reduced at the end of the step with the gradients.
+_SHAPE_ONLY_OPS = {torch.ops.aten.ones_like.default: 1, torch.ops.aten.zeros_like.default: 0,
+                   torch.ops.aten.full_like.default: None, torch.ops.aten.empty_like.default: None}
+
 
 @dataclass(frozen=True)
 class InputSlot:
@@ -177,9 +185,10 @@ def fx_to_ir(
             slot = slot_of_placeholder[node.args[0]]
             state_outputs.append(GraphOutput(names[node.args[1]], slot.role, replaces=slot.name, source=slot.key))
             continue
-        where = f"node {node.name} ({op_target(node.target)})"
-        args = tuple(_encode(arg, names, where) for arg in node.args)
-        kwargs = tuple((key, _encode(arg, names, where)) for key, arg in node.kwargs.items())
+        target, fx_args, fx_kwargs = _as_factory(node) or (node.target, node.args, node.kwargs)
+        where = f"node {node.name} ({op_target(target)})"
+        args = tuple(_encode(arg, names, where) for arg in fx_args)
+        kwargs = tuple((key, _encode(arg, names, where)) for key, arg in fx_kwargs.items())
         val = node.meta.get("val")
         if isinstance(val, (list, tuple)):
             getitem_names = {user.args[1]: user.name for user in node.users if user.target is operator.getitem}
@@ -195,7 +204,7 @@ def fx_to_ir(
             names[node] = node.name
             if _is_contiguous(val):
                 contiguous.add(node.name)
-        nodes.append(Node(node.name, MetaOp(op_target(node.target), op_tags(node.target, node.args, node.kwargs)), args, kwargs, outputs))
+        nodes.append(Node(node.name, MetaOp(op_target(target), op_tags(target, fx_args, fx_kwargs)), args, kwargs, outputs))
 
     assert output_node is not None
     returned = output_node.args[0]
@@ -208,6 +217,24 @@ def fx_to_ir(
     graph = Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name)
     graph, renamed = canonical_names(graph)  # names from the op sequence alone: an expanded capture gets the same ones
     return graph, constants, slots_all, frozenset(renamed.get(value, value) for value in contiguous)
+
+
+def _as_factory(node: torch.fx.Node) -> tuple[torch._ops.OpOverload, tuple, dict] | None:
+    """``ones_like``/``zeros_like``/``full_like``/``empty_like`` as ``full``/``empty`` of the traced result's shape and
+    type; None for any other node (or a fill value the trace computed)."""
+    if node.target not in _SHAPE_ONLY_OPS:
+        return None
+    val = node.meta["val"]
+    factory = dict(dtype=val.dtype, layout=val.layout, device=val.device, pin_memory=False)
+    shape = tuple(int(size) for size in val.shape)
+    if node.target is torch.ops.aten.empty_like.default:
+        return torch.ops.aten.empty.memory_format, (shape,), factory
+    fill = _SHAPE_ONLY_OPS[node.target]
+    if fill is None:  # full_like(input, fill_value, ...)
+        fill = node.args[1] if len(node.args) > 1 else node.kwargs["fill_value"]
+        if not isinstance(fill, (bool, int, float)):
+            return None
+    return torch.ops.aten.full.default, (shape, fill), factory
 
 
 def _is_contiguous(value: Any) -> bool:
