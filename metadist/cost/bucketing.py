@@ -16,8 +16,12 @@ The model, kept simple so that each edge is still priced on its own (the ILP's s
   ``lerp`` into ``exp_avg``, ``p - lr * g``). Backward reads of parameters feed other groups
   (the gradient of the layer's input), tied ones included. Nodes from ``U`` on are the update;
 - a **bucketed edge** is a value read at or after ``U`` by a node, when the value is a graph
-  input or made before ``U`` (gradients, parameters gathered for the update); and every graph
-  output's resharding (it runs at the end of the step, with all the others);
+  input or made before ``U`` (gradients, parameters gathered for the update); and the resharding
+  of every graph output that replaces an input (an updated parameter or state, at the end of the
+  step with all the others). An output that replaces none (the loss) is read by no node: its
+  reduction runs at the end and joins the gradients' call when the plan reduces gradients in the
+  same group, but a plan that replicates the whole step but the loss reduces it alone, and the
+  share cannot tell the two apart: it pays its whole fixed cost, a call of its own;
 - under mixed precision a gradient is cast to its parameter's float32 after the backward pass and
   before ``U``: a reduction on the edge into such a **cast** (a dtype conversion after the loss
   whose outputs are read only from ``U`` on) is bucketed too, as the runtime coalesces it with the
@@ -56,10 +60,14 @@ class Bucketing:
     """Multiplier of a bucketed collective's fixed cost (latency and call overhead), in (0, 1]."""
     update_start: int
     """Position of the first update-phase node (``U``); ``len(graph.nodes)`` when there is none."""
+    lone_outputs: frozenset[str] = frozenset()
+    """Graph outputs that replace no input (the loss): their resharding pays its whole fixed cost."""
 
     def share(self, value: str, consumer: str) -> float:
         """The fixed-cost share of the resharding of ``value`` for ``consumer`` (OUTPUT_CONSUMER: a graph output)."""
-        if consumer == OUTPUT_CONSUMER or (value, consumer) in self.edges:
+        if consumer == OUTPUT_CONSUMER:
+            return 1.0 if value in self.lone_outputs else self.fixed_share
+        if (value, consumer) in self.edges:
             return self.fixed_share
         return 1.0
 
@@ -86,12 +94,17 @@ def bucketing_for(graph: Graph, cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> 
         for name in node.input_names:
             edges.add((name, node.name))
             values[name] = graph.value(name).spec.nbytes
+    lone = set()
     for graph_output in graph.outputs:
-        values[graph_output.name] = graph.value(graph_output.name).spec.nbytes
+        if graph_output.replaces is None:
+            lone.add(graph_output.name)
+        else:
+            values[graph_output.name] = graph.value(graph_output.name).spec.nbytes
+    lone -= set(values)  # also read by the update (on a bucketed edge): it takes the share there
     if not values:
-        return Bucketing(frozenset(edges), 1.0, start)
+        return Bucketing(frozenset(edges), 1.0, start, frozenset(lone))
     buckets = max(1, math.ceil(sum(values.values()) / cap_bytes))
-    return Bucketing(frozenset(edges), min(1.0, buckets / len(values)), start)
+    return Bucketing(frozenset(edges), min(1.0, buckets / len(values)), start, frozenset(lone))
 
 
 CAST_OPS = frozenset({"aten._to_copy.default", "prims.convert_element_type.default"})
