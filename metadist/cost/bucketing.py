@@ -21,7 +21,11 @@ The model, kept simple so that each edge is still priced on its own (the ILP's s
   step with all the others). An output that replaces none (the loss) is read by no node: its
   reduction runs at the end and joins the gradients' call when the plan reduces gradients in the
   same group, but a plan that replicates the whole step but the loss reduces it alone, and the
-  share cannot tell the two apart: it pays its whole fixed cost, a call of its own;
+  share cannot tell the two apart: it pays :data:`LONE_OUTPUT_SHARE` of its fixed cost, a call of
+  its own less a hundredth. The hundredth decides between two plans that cost the same otherwise,
+  one reducing a partial of the loss inside the step (a sum before its division: a call of its own
+  in any case, and one the backward may wait for) and one reducing the loss at the end, where it
+  can join the gradients' call: the second;
 - under mixed precision a gradient is cast to its parameter's float32 after the backward pass and
   before ``U``: a reduction on the edge into such a **cast** (a dtype conversion after the loss
   whose outputs are read only from ``U`` on) is bucketed too, as the runtime coalesces it with the
@@ -49,6 +53,9 @@ __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucketing", "NO_BUCKETING", "bucketing_f
 OUTPUT_CONSUMER = ""
 """The consumer name of a graph output's edge (the end of the step)."""
 
+LONE_OUTPUT_SHARE = 0.99
+"""The fixed-cost share of the resharding of a graph output that replaces no input (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class Bucketing:
@@ -61,12 +68,12 @@ class Bucketing:
     update_start: int
     """Position of the first update-phase node (``U``); ``len(graph.nodes)`` when there is none."""
     lone_outputs: frozenset[str] = frozenset()
-    """Graph outputs that replace no input (the loss): their resharding pays its whole fixed cost."""
+    """Graph outputs that replace no input (the loss): their resharding pays :data:`LONE_OUTPUT_SHARE`."""
 
     def share(self, value: str, consumer: str) -> float:
         """The fixed-cost share of the resharding of ``value`` for ``consumer`` (OUTPUT_CONSUMER: a graph output)."""
         if consumer == OUTPUT_CONSUMER:
-            return 1.0 if value in self.lone_outputs else self.fixed_share
+            return LONE_OUTPUT_SHARE if value in self.lone_outputs else self.fixed_share
         if (value, consumer) in self.edges:
             return self.fixed_share
         return 1.0

@@ -18,8 +18,8 @@ Per-axis choices (:class:`AxisChoice`):
   ``Shard(dim)``/``Partial(op)``/``Replicate()`` per the factor's combination.
   A halo factor also sets the axis's entry of :attr:`NodeStrategy.halos`: the
   lowering exchanges border elements before the op and trims after it.
-- ``partial``: input ``index`` arrives ``Partial(op)`` and passes through
-  (a ``PartialPass`` of the rule): other inputs ``Replicate()``, outputs ``Partial(op)``.
+- ``partial``: input ``index`` (and the inputs in ``joint``, a joint pass) arrives ``Partial(op)``
+  and passes through (a ``PartialPass`` of the rule): other inputs ``Replicate()``, outputs ``Partial(op)``.
 """
 
 from __future__ import annotations
@@ -50,19 +50,24 @@ class AxisChoice:
     kind: str
     index: int = -1
     op: str = "sum"
+    joint: tuple[int, ...] = ()
+    """A joint partial pass's further inputs (:attr:`metadist.ir.rule.PartialPass.joint`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("replicate", "factor", "partial"):
             raise PlanError(f"AxisChoice.kind must be replicate, factor or partial, got {self.kind!r}")
         if self.kind != "replicate" and self.index < 0:
             raise PlanError(f"AxisChoice {self.kind} needs a non-negative index")
+        object.__setattr__(self, "joint", tuple(self.joint))
+        if self.joint and self.kind != "partial":
+            raise PlanError(f"AxisChoice {self.kind} has joint inputs {list(self.joint)}: only a partial pass has")
 
     def __str__(self) -> str:
         if self.kind == "replicate":
             return "R"
         if self.kind == "factor":
             return f"f{self.index}"
-        return f"P{self.index}:{self.op}"
+        return "P" + "+".join(str(index) for index in (self.index, *self.joint)) + f":{self.op}"
 
 
 REPLICATE = AxisChoice("replicate")
@@ -92,7 +97,8 @@ class NodeStrategy:
 
     def to_dict(self) -> dict[str, Any]:
         data = {
-            "choices": [[choice.kind, choice.index, choice.op] for choice in self.choices],
+            "choices": [[choice.kind, choice.index, choice.op, *([list(choice.joint)] if choice.joint else [])]
+                        for choice in self.choices],
             "inputs": [format_sharding(sharding) for sharding in self.inputs],
             "outputs": [None if sharding is None else format_sharding(sharding) for sharding in self.outputs],
         }
@@ -103,7 +109,8 @@ class NodeStrategy:
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "NodeStrategy":
         return NodeStrategy(
-            choices=tuple(AxisChoice(kind, index, op) for kind, index, op in data["choices"]),
+            choices=tuple(AxisChoice(kind, index, op, tuple(joint[0]) if joint else ())
+                          for kind, index, op, *joint in data["choices"]),
             inputs=tuple(parse_sharding(text) for text in data["inputs"]),
             outputs=tuple(None if text is None else parse_sharding(text) for text in data["outputs"]),
             halos=tuple(data.get("halos", ())),
@@ -147,10 +154,12 @@ def strategy_from_choices(rule: Rule, choices: tuple[AxisChoice, ...]) -> NodeSt
                     raise PlanError(f"halo factor {factor} taken by two mesh axes: the halo's neighbours would not be adjacent")
                 halos[axis] = factor.halo
         else:
-            passes = {(p.input, p.op) for p in rule.partial_passes}
-            if (choice.index, choice.op) not in passes:
-                raise PlanError(f"choice {choice}: input {choice.index} does not pass Partial({choice.op}) in rule {rule}")
-            in_place = [Partial(choice.op) if index == choice.index else Replicate() for index in range(n_inputs)]
+            passes = {(p.input, p.op, p.joint) for p in rule.partial_passes}
+            if (choice.index, choice.op, choice.joint) not in passes:
+                raise PlanError(f"choice {choice}: inputs {[choice.index, *choice.joint]} do not pass Partial({choice.op}) "
+                                f"in rule {rule}")
+            partial = {choice.index, *choice.joint}
+            in_place = [Partial(choice.op) if index in partial else Replicate() for index in range(n_inputs)]
             out_place = [Partial(choice.op)] * n_outputs
         for slot, placement in zip(inputs, in_place):
             slot.append(placement)

@@ -16,7 +16,16 @@ no factor sits), then the non-concat outputs and options after ``|``::
     ab,bc->ac | b:sum | pass 0:sum 1:sum   # mm: a Partial(sum) operand passes through
 
 ``pass`` lists the :class:`PartialPass` entries: a ``Partial(op)`` input that
-may pass through to ``Partial(op)`` outputs with every other input replicated.
+may pass through to ``Partial(op)`` outputs with every other input replicated. A
+**joint pass** names several inputs that are ``Partial(sum)`` together (each shard
+holds a part of each, the other inputs replicated): the op is linear in them jointly,
+as ``add`` and ``sub`` are in both operands and ``where`` in its two branches, so the
+shards' outputs add up to the whole. It is written with ``+``::
+
+    ab,ab->ab | pass 0:max 0:min 0+1:sum 1:max 1:min   # aten.add: two Partial(sum) gradients add up
+
+Without it a sum of two partial gradients (a tied embedding's, read by the embedding and
+the output layer) has both reduced before the add; with it the sum is reduced once.
 
 An **affine factor** is a reducing factor some of whose inputs that do not carry
 the factor's dim take part as ``Partial(op)`` (``op`` the factor's reduce op, only
@@ -74,9 +83,10 @@ from typing import Any, Union
 
 from .placement import REDUCE_OPS
 
-RULE_FORMAT_VERSION = 3
+RULE_FORMAT_VERSION = 4
 """Version of the stored form (:meth:`Rule.to_dict`); 2 added ``Factor.partial_inputs`` (affine factors);
-3 gives ``Concat.halo`` its meaning (module docstring) and checks it (:attr:`Factor.halo`)."""
+3 gives ``Concat.halo`` its meaning (module docstring) and checks it (:attr:`Factor.halo`); 4 adds joint
+partial passes (:attr:`PartialPass.joint`), so rules found before are found again with them."""
 
 
 class RuleError(ValueError):
@@ -208,14 +218,30 @@ class Factor:
 
 @dataclass(frozen=True)
 class PartialPass:
-    """A ``Partial(op)`` in input ``input`` passes through: outputs come out ``Partial(op)``."""
+    """A ``Partial(op)`` in input ``input`` passes through: outputs come out ``Partial(op)``.
+
+    ``joint``: further inputs that are ``Partial(op)`` together with ``input`` (a joint pass, ``sum``
+    only: the op is linear in all of them at once; see the module docstring).
+    """
 
     input: int
     op: str
+    joint: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "joint", tuple(sorted(set(self.joint))))
         if self.op not in REDUCE_OPS:
             raise RuleError(f"PartialPass.op must be one of {REDUCE_OPS}, got {self.op!r}")
+        if self.joint and (self.op != "sum" or self.joint[0] <= self.input):
+            raise RuleError(f"a joint partial pass is Partial(sum) of inputs in increasing order, got {self}")
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        """Every input that is ``Partial(op)`` under this pass."""
+        return (self.input, *self.joint)
+
+    def __str__(self) -> str:
+        return "+".join(str(index) for index in self.inputs) + f":{self.op}"
 
 
 @dataclass(frozen=True)
@@ -233,7 +259,7 @@ class Rule:
         factors = tuple(sorted(set(self.factors), key=Factor.sort_key))
         object.__setattr__(self, "factors", factors)
         object.__setattr__(
-            self, "partial_passes", tuple(sorted(set(self.partial_passes), key=lambda p: (p.input, p.op)))
+            self, "partial_passes", tuple(sorted(set(self.partial_passes), key=lambda p: (p.input, p.op, p.joint)))
         )
         for factor in factors:
             if len(factor.inputs) != len(self.input_ranks) or len(factor.outputs) != len(self.output_ranks):
@@ -250,7 +276,7 @@ class Rule:
                 if isinstance(out, Concat) and not out.dim < rank:  # type: ignore[operator]
                     raise RuleError(f"factor {factor} concatenates along dim {out.dim} of a rank-{rank} output")
         for partial in self.partial_passes:
-            if not 0 <= partial.input < len(self.input_ranks):
+            if not all(0 <= index < len(self.input_ranks) for index in partial.inputs):
                 raise RuleError(f"partial pass {partial} names a missing input")
 
     # -- text form -----------------------------------------------------------
@@ -290,7 +316,7 @@ class Rule:
         if extras:
             text += " | " + " ".join(extras)
         if self.partial_passes:
-            text += " | pass " + " ".join(f"{p.input}:{p.op}" for p in self.partial_passes)
+            text += " | pass " + " ".join(str(p) for p in self.partial_passes)
         return text
 
     def _verbose(self) -> str:
@@ -309,7 +335,8 @@ class Rule:
             "input_ranks": list(self.input_ranks),
             "output_ranks": list(self.output_ranks),
             "factors": [_factor_to_json(factor) for factor in self.factors],
-            "partial_passes": [{"input": p.input, "op": p.op} for p in self.partial_passes],
+            "partial_passes": [{"input": p.input, "op": p.op, **({"joint": list(p.joint)} if p.joint else {})}
+                               for p in self.partial_passes],
         }
 
     @staticmethod
@@ -325,7 +352,8 @@ class Rule:
                 )
                 for item in data["factors"]
             ),
-            partial_passes=tuple(PartialPass(item["input"], item["op"]) for item in data.get("partial_passes", ())),
+            partial_passes=tuple(PartialPass(item["input"], item["op"], tuple(item.get("joint", ())))
+                                 for item in data.get("partial_passes", ())),
         )
 
 
@@ -411,8 +439,9 @@ def parse_rule(text: str) -> Rule:
     for section in sections[1:]:
         if section.startswith("pass"):
             for item in section[len("pass"):].split():
-                index, op = item.split(":")
-                passes.append(PartialPass(int(index), op))
+                indices, op = item.split(":")
+                first, *joint = (int(index) for index in indices.split("+"))
+                passes.append(PartialPass(first, op, tuple(joint)))
             continue
         for item in section.split():
             match = _OPTION_RE.match(item)

@@ -501,7 +501,64 @@ def _partial_passes(call: OpCall, executor: OpExecutor, draws: list[_Draw], conf
                 for seed, draw in enumerate(draws)
             ):
                 passes.append(PartialPass(index, op))
-    return passes
+    return passes + _joint_passes(call, executor, draws, config, passes)
+
+
+MAX_JOINT_INPUTS = 4
+"""A joint partial pass is sought among an op's float inputs when it has at most this many."""
+
+
+def _joint_passes(call: OpCall, executor: OpExecutor, draws: list[_Draw], config: DiscoveryConfig,
+                  single: list[PartialPass]) -> list[PartialPass]:
+    """The largest set of two or more float inputs that the op is linear in jointly: each cut into parts that add up
+    to it (each way of :data:`AFFINE_SPLITS`, the lowering's own first), the op run on the k-th parts of all of them,
+    the outputs add up to the whole output on every draw and shard count (at most one such pass).
+
+    ``add``, ``sub``, ``cat`` and ``where``'s two branches are; a sum of two ``Partial(sum)`` gradients then stays
+    ``Partial(sum)`` and is reduced once. An input the op is linear in alone (``single``) is left out: an op linear
+    in it alone and jointly with another does not read the other.
+    """
+    alone = {partial.input for partial in single if partial.op == "sum"}
+    floats = [index for index, spec in enumerate(call.input_specs) if not tolerance_for(spec.dtype).exact and index not in alone]
+    if not 2 <= len(floats) <= MAX_JOINT_INPUTS:
+        return []
+    for size in range(len(floats), 1, -1):
+        for subset in itertools.combinations(floats, size):
+            if all(_joint_holds(call, executor, draw, subset, count, split, seed)
+                   for split in AFFINE_SPLITS for count in config.shard_counts for seed, draw in enumerate(draws)):
+                return [PartialPass(subset[0], "sum", subset[1:])]
+    return []
+
+
+def _joint_holds(call: OpCall, executor: OpExecutor, draw: _Draw, subset: tuple[int, ...], count: int, split: str,
+                 seed: int) -> bool:
+    zeroed = [np.zeros_like(x) if index in subset else x for index, x in enumerate(draw.inputs)]
+    rng = np.random.default_rng([seed, count, AFFINE_SPLITS.index(split), *subset])
+    parts = {index: affine_parts(draw.inputs[index], count, split, rng) for index in subset}
+    try:
+        if any(out is not None and np.any(out) for out in executor.run(call, zeroed)):
+            return False  # a linear op maps zeros to zeros (x + y + 1 is not)
+        results = []
+        for k in range(count):
+            results.append(executor.run(call, [parts[index][k] if index in parts else x for index, x in enumerate(draw.inputs)]))
+    except Exception as err:  # the op rejects the parts: no pass
+        log.debug("%s joint partial of inputs %s: %s", call.target, subset, err)
+        return False
+    for position, whole in enumerate(draw.whole):
+        pieces = [outputs[position] for outputs in results]
+        if whole is None:
+            if any(piece is not None for piece in pieces):
+                return False
+            continue
+        if any(piece is None or piece.shape != whole.shape for piece in pieces):
+            return False
+        dtype = call.node.outputs[position].spec.dtype  # type: ignore[union-attr]
+        for index in subset:
+            dtype = coarser_dtype(dtype, call.input_specs[index].dtype)
+        stacked = np.stack(pieces)
+        if not close(stacked.sum(axis=0), whole, dtype, scale=float(np.max(np.abs(stacked), initial=1.0))):
+            return False
+    return True
 
 
 def _vanishes_at_zero(call: OpCall, executor: OpExecutor, draw: _Draw, index: int) -> bool:

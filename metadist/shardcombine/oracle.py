@@ -308,6 +308,9 @@ def _strategy_as_rule(strategy: Strategy, rule: Rule) -> Rule:
     """A one-factor (or one-pass) rule that says what a DTensor strategy says."""
     partial = strategy.partial_inputs
     if partial and all(not placement.startswith("S(") for placement in strategy.inputs):
+        ops = {strategy.inputs[index][2:-1] for index in partial}
+        if len(partial) > 1 and ops == {"sum"}:  # P(sum) in several inputs at once: a joint pass
+            return Rule(rule.input_ranks, rule.output_ranks, (), (PartialPass(partial[0], "sum", partial[1:]),))
         return Rule(rule.input_ranks, rule.output_ranks, (), (PartialPass(partial[0], strategy.inputs[partial[0]][2:-1]),))
     inputs = tuple(None if placement == REPLICATE or placement.startswith("P(") else int(placement[2:-1]) for placement in strategy.inputs)
     outputs = tuple(

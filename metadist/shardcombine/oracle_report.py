@@ -203,7 +203,7 @@ def rule_strategies(rule: Rule) -> tuple[dict[Strategy, str], dict[Strategy, str
         (comparable if plain else other)[strategy] = str(strategy)
     for partial in rule.partial_passes:
         strategy = _pass_strategy(rule, partial)
-        comparable[strategy] = f"pass {partial.input}:{partial.op}"
+        comparable[strategy] = f"pass {partial}"
     return comparable, other
 
 
@@ -228,7 +228,7 @@ def factor_strategy(factor: Factor) -> tuple[Strategy, bool]:
 
 
 def _pass_strategy(rule: Rule, partial: PartialPass) -> Strategy:
-    inputs = tuple(f"P({partial.op})" if index == partial.input else REPLICATE for index in range(len(rule.input_ranks)))
+    inputs = tuple(f"P({partial.op})" if index in partial.inputs else REPLICATE for index in range(len(rule.input_ranks)))
     outputs = tuple(None if rank is None else f"P({partial.op})" for rank in rule.output_ranks)
     return Strategy(inputs, outputs)
 

@@ -119,7 +119,7 @@ def _check_halo_factor(call: OpCall, executor: OpExecutor, factor: Factor, input
 
 def _labels(rule: Rule) -> list[str]:
     return [str(factor_strategy(factor)[0]) for factor in rule.factors] + [
-        f"pass {partial.input}:{partial.op}" for partial in rule.partial_passes
+        f"pass {partial}" for partial in rule.partial_passes
     ]
 
 
@@ -251,24 +251,30 @@ def _compare(got: np.ndarray, expected: np.ndarray, dtype: str, terms: Sequence[
     return error <= rtol * scale, error, f"differs from the whole result by {error:.3g} (tolerance {rtol * scale:.3g})"
 
 
-def _check_pass(call: OpCall, executor: OpExecutor, rule: Rule, partial: PartialPass, inputs: Sequence[np.ndarray], whole: Sequence[np.ndarray | None], rng: np.random.Generator) -> ExecutionCheck:
-    """Split one input into partial terms (adding up, or elementwise max/min), run each, reduce the outputs."""
-    label = f"pass {partial.input}:{partial.op}"
-    value = inputs[partial.input]
-    if value.dtype.kind != "f":
-        return ExecutionCheck(label, 0, None, 0.0, "non-floating input: not re-checked")
-    shards = 4
-    if partial.op == "sum":
+def _pass_terms(value: np.ndarray, op: str, shards: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``shards`` terms of ``value`` that reduce to it with ``op``."""
+    if op == "sum":
         magnitude = np.abs(value) + 0.1 * float(np.max(np.abs(value), initial=0.0))  # terms as large as the value
         terms = [(rng.standard_normal(value.shape) * magnitude).astype(value.dtype) for _ in range(shards - 1)]
-        terms.append(value - sum(terms))
-    else:  # each term at most (least) the value, one term holding it, element by element
-        owner = rng.integers(0, shards, value.shape)
-        sign = -1.0 if partial.op == "max" else 1.0
-        step = max(float(np.max(np.abs(value), initial=0.0)), float(np.finfo(value.dtype).tiny))
-        terms = [np.where(owner == k, value, value + sign * step * rng.uniform(0.1, 1.0, value.shape)).astype(value.dtype) for k in range(shards)]
+        return terms + [value - sum(terms)]
+    # each term at most (least) the value, one term holding it, element by element
+    owner = rng.integers(0, shards, value.shape)
+    sign = -1.0 if op == "max" else 1.0
+    step = max(float(np.max(np.abs(value), initial=0.0)), float(np.finfo(value.dtype).tiny))
+    return [np.where(owner == k, value, value + sign * step * rng.uniform(0.1, 1.0, value.shape)).astype(value.dtype) for k in range(shards)]
+
+
+def _check_pass(call: OpCall, executor: OpExecutor, rule: Rule, partial: PartialPass, inputs: Sequence[np.ndarray], whole: Sequence[np.ndarray | None], rng: np.random.Generator) -> ExecutionCheck:
+    """Split one input (each input of a joint pass) into partial terms (adding up, or elementwise max/min), run the op
+    on each shard's terms, reduce the outputs."""
+    label = f"pass {partial}"
+    if any(inputs[index].dtype.kind != "f" for index in partial.inputs):
+        return ExecutionCheck(label, 0, None, 0.0, "non-floating input: not re-checked")
+    shards = 4
+    terms_of = {index: _pass_terms(inputs[index], partial.op, shards, rng) for index in partial.inputs}
     try:
-        pieces = [executor.run(call, [term if index == partial.input else x for index, x in enumerate(inputs)]) for term in terms]
+        pieces = [executor.run(call, [terms_of[index][k] if index in terms_of else x for index, x in enumerate(inputs)])
+                  for k in range(shards)]
     except Exception as err:  # the op rejects a term (a domain error): the pass claims it runs
         return ExecutionCheck(label, shards, False, math.inf, f"the op fails on a partial term: {type(err).__name__}: {str(err)[:100]}")
     worst = 0.0

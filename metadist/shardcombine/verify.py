@@ -110,13 +110,16 @@ def _check_split(call, executor, factor, inputs, whole, shards, uneven, split, s
 def check_partial_pass(
     call: OpCall, executor: OpExecutor, partial: PartialPass, inputs: Sequence[np.ndarray], shards: int, seed: int = 0
 ) -> Mismatch | None:
-    """Whether a ``Partial(op)`` of one input, split into random parts, reduces to the whole output."""
+    """Whether a ``Partial(op)`` of one input (of each input of a joint pass), split into random parts, reduces to the
+    whole output."""
     whole = executor.run(call, inputs)
-    parts = split_value(np.asarray(inputs[partial.input]), partial.op, shards, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    parts = {index: split_value(np.asarray(inputs[index]), partial.op, shards, rng) for index in partial.inputs}
     results = []
-    for part in parts:
+    for shard in range(shards):
         trial = list(inputs)
-        trial[partial.input] = part
+        for index, pieces in parts.items():
+            trial[index] = pieces[shard]
         results.append(executor.run(call, trial))
     for index, want in enumerate(whole):
         if want is None:
@@ -124,7 +127,9 @@ def check_partial_pass(
         stacked = np.stack([outputs[index] for outputs in results])
         reduce = {"sum": np.sum, "max": np.max, "min": np.min}[partial.op]
         got = reduce(stacked, axis=0)
-        dtype = coarser_dtype(call.node.outputs[index].spec.dtype, call.input_specs[partial.input].dtype)  # type: ignore[union-attr]
+        dtype = call.node.outputs[index].spec.dtype  # type: ignore[union-attr]
+        for source in partial.inputs:
+            dtype = coarser_dtype(dtype, call.input_specs[source].dtype)
         scale = float(np.max(np.abs(stacked), initial=1.0)) if partial.op == "sum" else None
         if not close(got, want, dtype, scale=scale):
             return Mismatch(index, f"Partial({partial.op}) parts do not reduce to the whole", float(np.max(np.abs(got - want))))

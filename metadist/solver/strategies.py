@@ -87,7 +87,7 @@ def replicated_strategy(n_inputs: int, output_present: Sequence[bool], mesh: Mes
 def _axis_options(rule: Rule) -> list[AxisChoice]:
     options = [REPLICATE]
     options += [AxisChoice("factor", index) for index in range(len(rule.factors))]
-    options += [AxisChoice("partial", item.input, item.op) for item in rule.partial_passes]
+    options += [AxisChoice("partial", item.input, item.op, item.joint) for item in rule.partial_passes]
     return options
 
 
