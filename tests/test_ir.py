@@ -25,13 +25,14 @@ from metadist.ir import (
     Shard,
     TensorSpec,
     Value,
+    RuleError,
     ValueRef,
     graph_from_json,
     graph_to_json,
     parse_rule,
     parse_sharding,
 )
-from metadist.ir.plan import AxisChoice, Plan, PlanError, graph_fingerprint, strategy_from_choices
+from metadist.ir.plan import AxisChoice, NodeStrategy, Plan, PlanError, graph_fingerprint, strategy_from_choices
 
 
 def tiny_graph() -> Graph:
@@ -129,7 +130,8 @@ def test_ir_imports_no_framework():
 
 @pytest.mark.parametrize(
     "text",
-    ["ab,bc->ac | b:sum", "abc,acd->abd | c:sum", "a_,_,_->a_,a_,a_", "ab-> | a:sum b:sum", "ab,b->ab | pass 0:sum 1:sum", "a->a,-"],
+    ["ab,bc->ac | b:sum", "abc,acd->abd | c:sum", "a_,_,_->a_,a_,a_", "ab-> | a:sum b:sum", "ab,b->ab | pass 0:sum 1:sum", "a->a,-",
+     "ab,ab->ab | pass 0:max 0:min 0+1:sum 1:max 1:min", "ab,ab,ab->ab | pass 1+2:sum"],
 )
 def test_rule_text_round_trip(text):
     rule = parse_rule(text)
@@ -175,3 +177,22 @@ def test_plan_strategy_derivation_and_json_round_trip():
         plan.check_for(graph, "9.9.9")
     with pytest.raises(PlanError, match="another graph"):
         plan.check_for(Graph(graph.inputs, graph.nodes[:1], graph.outputs[:0], name="other"), "0.1.0")
+
+
+def test_a_joint_partial_pass_takes_its_inputs_partial_together_and_round_trips_through_a_plan():
+    """A joint pass (``0+1:sum``): both inputs ``Partial(sum)`` on that axis, the output ``Partial(sum)``; a plan
+    names it ``P0+1:sum`` and keeps it through JSON. Only a sum can be joint, in increasing input order."""
+    rule = parse_rule("ab,ab->ab | pass 0+1:sum")
+    (joint,) = rule.partial_passes
+    assert joint.inputs == (0, 1) and str(joint) == "0+1:sum"
+    strategy = strategy_from_choices(rule, (AxisChoice("partial", 0, "sum", (1,)), AxisChoice("factor", 0)))
+    assert strategy.inputs == ((Partial("sum"), Shard(0)), (Partial("sum"), Shard(0)))
+    assert strategy.outputs == ((Partial("sum"), Shard(0)),)
+    assert str(strategy.choices[0]) == "P0+1:sum"
+    assert NodeStrategy.from_dict(json.loads(json.dumps(strategy.to_dict()))) == strategy
+    with pytest.raises(PlanError, match="do not pass"):
+        strategy_from_choices(rule, (AxisChoice("partial", 0, "sum"),))  # input 0 alone is not a pass of this rule
+    with pytest.raises(RuleError, match="joint partial pass"):
+        parse_rule("ab,ab->ab | pass 0+1:max")
+    with pytest.raises(RuleError, match="missing input"):
+        parse_rule("ab,ab->ab | pass 0+2:sum")

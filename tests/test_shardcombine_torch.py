@@ -95,7 +95,15 @@ def test_torch_executor_implements_the_protocol():
         # addmm: with the bias replicated the k split would add it n times; with the bias Partial(sum) it sums
         (aten("addmm.default", (Z, X, Y), [((4,), F32), ((8, 16), F32), ((16, 4), F32)], [((8, 4), F32)]), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min"),
         (layer_norm(), "ab_,_,_->ab_,ab_,ab_ | pass 2:max 2:min"),
-        (add_broadcast(), "abc,_bc->abc | pass 0:max 0:min 1:max 1:min"),
+        (add_broadcast(), "abc,_bc->abc | pass 0:max 0:min 0+1:sum 1:max 1:min"),
+        # joint passes: linear in several inputs at once (a sum of Partial(sum) operands stays Partial(sum))
+        (aten("sub.Tensor", (X, Y), [((6, 12), F32), ((6, 12), F32)], [((6, 12), F32)]), "ab,ab->ab | pass 0:max 0:min 0+1:sum"),
+        (aten("add.Tensor", (X, Y), [((6, 12), F32), ((6, 12), F32)], [((6, 12), F32)], kwargs=(("alpha", 2.0),)),
+         "ab,ab->ab | pass 0:max 0:min 0+1:sum 1:max 1:min"),
+        (aten("where.self", (X, Y, Z), [((6, 12), "bool"), ((6, 12), F32), ((6, 12), F32)], [((6, 12), F32)]),
+         "ab,ab,ab->ab | pass 1:max 1:min 1+2:sum 2:max 2:min"),
+        (aten("cat.default", ((X, Y), 1), [((6, 12), F32), ((6, 4), F32)], [((6, 16), F32)]), "a_,a_->a_ | pass 0:max 0:min 0+1:sum 1:max 1:min"),
+        (aten("maximum.default", (X, Y), [((6, 12), F32), ((6, 12), F32)], [((6, 12), F32)]), "ab,ab->ab | pass 0:max 0:min 1:max 1:min"),
         (embedding(), "_a,bc->bca | pass 0:max 0:min 0:sum"),
         (nll_loss(reduction=1), "__,_->,"),  # a mean over the batch is no sum of per-shard means
         (nll_loss(reduction=2), "a_,a->, | a:sum"),

@@ -73,3 +73,22 @@ def test_the_backward_seed_reads_no_value_so_a_data_parallel_loss_is_reduced_wit
     weights = {output.replaces for output in graph.outputs if output.role is Role.PARAM}
     assert len(bucket.members) > len(weights)  # every gradient with it
     assert not [item for item in program.instructions if isinstance(item, Reshard) and item.source == loss]
+
+
+def test_a_tied_weights_two_partial_gradients_are_added_then_reduced_once(rules_db):
+    """GPT-2 ties its embedding to its output layer: the weight's gradient is the sum of two, one from each reader,
+    each ``Partial(sum)`` under data parallelism. ``add`` is linear in both operands at once (a joint partial pass,
+    ``0+1:sum``), so the sum stays ``Partial(sum)`` and is reduced once, with the other gradients; before, both
+    operands were reduced before the add, each in a call of its own."""
+    from metadist.lowering import lower_for_rank
+
+    graph, rules = _graph_and_rules("gpt2-tiny", rules_db)
+    plan = baseline_plan(graph, rules, cluster_for("cpu-gloo", Mesh((2,))), "dp")
+    tied = next(item for item in graph.inputs if item.role is Role.PARAM and item.source.endswith("wte.weight"))
+    adds = [node for node in graph.nodes if node.op.target == "aten.add.Tensor" and node.outputs[0].spec == tied.value.spec
+            and all(graph.producer(name) is not None for name in node.input_names)]
+    joint = [node for node in adds if plan.node_strategies[node.name].choices[0].joint]
+    assert len(joint) == 1, [str(plan.node_strategies[node.name].choices[0]) for node in adds]
+    program = lower_for_rank(graph, plan, 0, overlap=True)
+    reduced = [item.spec.shape for item in program.reshards() if any(step.kind == "all_reduce" for step in item.steps)]
+    assert reduced.count(tied.value.spec.shape) == 1
