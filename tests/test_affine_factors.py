@@ -108,7 +108,8 @@ def _k_factor(rule: Rule, k_dims: tuple) -> Factor | None:
 
 def test_discovery_finds_the_k_split_with_the_bias_partial():
     rule = discover(np_call("np.affine", [(4,), (6, 10), (10, 4)], (6, 4)), NUMPY)
-    assert rule.to_text() == "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min"
+    # and the joint passes: linear in (bias, x) and in (bias, w) at once, the third input replicated
+    assert rule.to_text() == "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min 0+1:sum 0+2:sum"
 
 
 def test_discovery_takes_every_added_input_as_partial():
@@ -159,15 +160,15 @@ def addmm(bias_shape=(4,), kwargs=()):
 @pytest.mark.parametrize(
     "call,text",
     [
-        (addmm(), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min"),
-        (addmm((8, 4)), "ab,ac,cb->ab | c:sum+0 | pass 0:max 0:min"),
-        (addmm(kwargs=(("beta", 0.5), ("alpha", 2.0))), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min"),
-        (aten("baddbmm.default", (Z, X, Y), [(2, 8, 4), (2, 8, 16), (2, 16, 4)], (2, 8, 4)), "abc,abd,adc->abc | d:sum+0 | pass 0:max 0:min"),
+        (addmm(), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min 0+1:sum 0+2:sum"),
+        (addmm((8, 4)), "ab,ac,cb->ab | c:sum+0 | pass 0:max 0:min 0+1:sum 0+2:sum"),
+        (addmm(kwargs=(("beta", 0.5), ("alpha", 2.0))), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min 0+1:sum 0+2:sum"),
+        (aten("baddbmm.default", (Z, X, Y), [(2, 8, 4), (2, 8, 16), (2, 16, 4)], (2, 8, 4)), "abc,abd,adc->abc | d:sum+0 | pass 0:max 0:min 0+1:sum 0+2:sum"),
         # biased convolutions: the input-channel split (dim 1 of input and weight) with the bias Partial(sum)
         (aten("convolution.default", (X, Y, Z, (1,), (0,), (1,), False, (0,), 1), [(2, 6, 10), (4, 6, 3), (4,)], (2, 4, 8)),
-         "ab_,cb_,c->ac_ | b:sum+2 | pass 2:max 2:min"),
+         "ab_,cb_,c->ac_ | b:sum+2 | pass 0+2:sum 1+2:sum 2:max 2:min"),
         (aten("convolution.default", (X, Y, Z, (1, 1), (1, 1), (1, 1), False, (0, 0), 1), [(2, 6, 5, 5), (4, 6, 3, 3), (4,)], (2, 4, 5, 5)),
-         "abcd,eb__,e->aecd | b:sum+2 c:halo=1 d:halo=1 | pass 2:max 2:min"),  # padded: H and W split with a halo of 1
+         "abcd,eb__,e->aecd | b:sum+2 c:halo=1 d:halo=1 | pass 0+2:sum 1+2:sum 2:max 2:min"),  # padded: H and W split with a halo of 1
         # unchanged: no input lacks the factor (mm, bmm), or the conv has no bias
         (aten("mm.default", (X, Y), [(8, 16), (16, 4)], (8, 4)), "ab,bc->ac | b:sum | pass 0:sum 1:sum"),
         (aten("bmm.default", (X, Y), [(2, 8, 16), (2, 16, 4)], (2, 8, 4)), "abc,acd->abd | c:sum | pass 0:sum 1:sum"),

@@ -93,7 +93,7 @@ def test_torch_executor_implements_the_protocol():
         (mm(dtype="bfloat16"), "ab,bc->ac | b:sum | pass 0:sum 1:sum"),
         (bmm(), "abc,acd->abd | c:sum | pass 0:sum 1:sum"),
         # addmm: with the bias replicated the k split would add it n times; with the bias Partial(sum) it sums
-        (aten("addmm.default", (Z, X, Y), [((4,), F32), ((8, 16), F32), ((16, 4), F32)], [((8, 4), F32)]), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min"),
+        (aten("addmm.default", (Z, X, Y), [((4,), F32), ((8, 16), F32), ((16, 4), F32)], [((8, 4), F32)]), "a,bc,ca->ba | c:sum+0 | pass 0:max 0:min 0+1:sum 0+2:sum"),
         (layer_norm(), "ab_,_,_->ab_,ab_,ab_ | pass 2:max 2:min"),
         (add_broadcast(), "abc,_bc->abc | pass 0:max 0:min 0+1:sum 1:max 1:min"),
         # joint passes: linear in several inputs at once (a sum of Partial(sum) operands stays Partial(sum))

@@ -24,7 +24,8 @@ For one op call, :func:`discover`
 5. finds the :class:`PartialPass` entries: an input whose value is split into
    random parts that add up to it (``sum``), or whose elementwise max/min is it
    (``max``/``min``), passes through if the outputs on the parts reduce to the
-   whole output.
+   whole output; and the joint passes, sets of inputs split so together
+   (:func:`_joint_passes`, ``sum`` only).
 
 The attention (SDPA) family (:mod:`.attention`) gets stand-in shapes that keep its meaning, a
 proportional candidate for grouped-query heads, and candidates whose pieces are not valid
@@ -510,9 +511,10 @@ MAX_JOINT_INPUTS = 4
 
 def _joint_passes(call: OpCall, executor: OpExecutor, draws: list[_Draw], config: DiscoveryConfig,
                   single: list[PartialPass]) -> list[PartialPass]:
-    """The largest set of two or more float inputs that the op is linear in jointly: each cut into parts that add up
+    """The largest sets of two or more float inputs that the op is linear in jointly: each cut into parts that add up
     to it (each way of :data:`AFFINE_SPLITS`, the lowering's own first), the op run on the k-th parts of all of them,
-    the outputs add up to the whole output on every draw and shard count (at most one such pass).
+    the outputs add up to the whole output on every draw and shard count. Every set of the largest size that holds
+    is a pass (``addmm(bias, x, w)``: ``0+1:sum`` and ``0+2:sum``).
 
     ``add``, ``sub``, ``cat`` and ``where``'s two branches are; a sum of two ``Partial(sum)`` gradients then stays
     ``Partial(sum)`` and is reduced once. An input the op is linear in alone (``single``) is left out: an op linear
@@ -523,10 +525,11 @@ def _joint_passes(call: OpCall, executor: OpExecutor, draws: list[_Draw], config
     if not 2 <= len(floats) <= MAX_JOINT_INPUTS:
         return []
     for size in range(len(floats), 1, -1):
-        for subset in itertools.combinations(floats, size):
-            if all(_joint_holds(call, executor, draw, subset, count, split, seed)
-                   for split in AFFINE_SPLITS for count in config.shard_counts for seed, draw in enumerate(draws)):
-                return [PartialPass(subset[0], "sum", subset[1:])]
+        found = [PartialPass(subset[0], "sum", subset[1:]) for subset in itertools.combinations(floats, size)
+                 if all(_joint_holds(call, executor, draw, subset, count, split, seed)
+                        for split in AFFINE_SPLITS for count in config.shard_counts for seed, draw in enumerate(draws))]
+        if found:
+            return found
     return []
 
 

@@ -10,9 +10,10 @@
    ``Shard(d)`` inputs and ``Shard``/``Partial``/``Replicate`` outputs are one factor
    (``Concat``/``Reduce``/``Identity``); ``Partial(sum)`` inputs next to ``Shard`` inputs with
    ``Partial(sum)`` outputs are an affine factor (addmm's ``k`` with the bias partial); a single
-   ``Partial`` input with every other input replicated is a partial pass. The comparison counts agreements, strategies only we find,
+   ``Partial`` input with every other input replicated is a partial pass, several ``Partial(sum)`` inputs so a joint
+   pass. The comparison counts agreements, strategies only we find,
    and strategies only DTensor has, each with the reason when one is known (DTensor's
-   strategy needs several ``Partial`` inputs at once, ``Partial(avg)``, a size-1 dim...).
+   strategy needs several ``Partial(max)`` inputs at once, ``Partial(avg)``, a size-1 dim...).
 
 2. **By execution.** DTensor cannot execute our placements in one process, so every factor and
    partial pass of our rule is re-run here on real shards of fresh shapes and seeded data, with
@@ -365,15 +366,16 @@ def _dtensor_reason(strategy: Strategy, input_shapes: Sequence[tuple[int, ...]],
         return "uses a strided or special placement"
     partial = strategy.partial_inputs
     sharded = [index for index, placement in enumerate(strategy.inputs) if placement.startswith("S(")]
-    if len(partial) > 1 and not sharded:
-        return "needs several Partial inputs at once (a partial pass has one Partial input, the others replicated)"
+    if len(partial) > 1 and not sharded and {strategy.inputs[index] for index in partial} != {"P(sum)"}:
+        return "needs several Partial inputs at once, not all Partial(sum) (a joint partial pass is Partial(sum) only)"
     if partial and sharded:
         ops = {strategy.inputs[index] for index in partial} | {out for out in strategy.outputs if out is not None}
         if ops != {"P(sum)"}:
             return "mixes a Partial input with Shard inputs, not as an affine factor (Partial(sum) inputs and outputs only)"
         if input_dtypes and any(not input_dtypes[index].startswith(("float", "bfloat", "complex")) for index in partial):
             return "a Partial integer input (discovery looks for affine factors of floating inputs only)"
-    if partial and not sharded and input_dtypes and not input_dtypes[partial[0]].startswith(("float", "bfloat", "complex")):
+    if partial and not sharded and input_dtypes and any(not input_dtypes[index].startswith(("float", "bfloat", "complex"))
+                                                        for index in partial):
         return "a Partial integer input (discovery looks for partial passes of floating inputs only)"
     if partial and not sharded:
         op = strategy.inputs[partial[0]]
