@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from ..ir import Graph, Role
 from ..lowering.coalesce import DEFAULT_BUCKET_CAP_BYTES
 
-__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucketing", "NO_BUCKETING", "bucketing_for", "OUTPUT_CONSUMER"]
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucketing", "NO_BUCKETING", "bucketing_for", "OUTPUT_CONSUMER", "update_start"]
 
 OUTPUT_CONSUMER = ""
 """The consumer name of a graph output's edge (the end of the step)."""
@@ -87,7 +87,7 @@ def bucketing_for(graph: Graph, cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> 
     """The bucketed edges of ``graph`` under the runtime's coalescing with ``cap_bytes`` (<= 0: none)."""
     if cap_bytes <= 0:
         return NO_BUCKETING
-    start = _update_start(graph)
+    start = update_start(graph)
     position = {node.name: index for index, node in enumerate(graph.nodes)}
     edges: set[tuple[str, str]] = set()
     values: dict[str, int] = {}
@@ -134,7 +134,7 @@ def _loss_position(graph: Graph, position: dict[str, int]) -> int:
     return max((position[graph.producer(name).name] for name in loss_names if graph.producer(name) is not None), default=-1)
 
 
-def _update_start(graph: Graph) -> int:
+def update_start(graph: Graph) -> int:
     """The first node after the loss that reads a state input and feeds that input's update group only."""
     group_bit: dict[str, int] = {}
     input_bit: dict[str, int] = {}
