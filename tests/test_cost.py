@@ -368,14 +368,17 @@ def _train_step_graph():
 
 def test_bucketing_finds_the_update_phase_and_shares_the_fixed_cost():
     from metadist.cost import NO_BUCKETING, OUTPUT_CONSUMER, bucketing_for
+    from metadist.cost.bucketing import LONE_OUTPUT_SHARE
 
     graph = _train_step_graph()
     bucketing = bucketing_for(graph)
     assert bucketing.update_start == 5, "the first node that reads a parameter and feeds its own update only"
     assert bucketing.edges == {("p0", "q0"), ("g0", "q0"), ("p1", "q1"), ("g1", "q1")}
-    # 4 values on bucketed edges, plus 3 graph outputs, in one bucket
-    assert bucketing.fixed_share == pytest.approx(1 / 7)
-    assert bucketing.share("g0", "q0") == bucketing.share("loss", OUTPUT_CONSUMER) == pytest.approx(1 / 7)
+    # 4 values on bucketed edges, plus the 2 graph outputs that replace a parameter, in one bucket
+    assert bucketing.fixed_share == pytest.approx(1 / 6)
+    assert bucketing.share("g0", "q0") == bucketing.share("q0", OUTPUT_CONSUMER) == pytest.approx(1 / 6)
+    # the loss replaces nothing: it may be alone in its call, and pays one, less a hundredth
+    assert bucketing.lone_outputs == {"loss"} and bucketing.share("loss", OUTPUT_CONSUMER) == LONE_OUTPUT_SHARE == 0.99
     assert bucketing.share("f0", "d") == bucketing.share("d", "g0") == 1.0
     # a cap that holds one value per bucket: no sharing; cap 0: coalescing off
     assert bucketing_for(graph, cap_bytes=256).fixed_share == 1.0
