@@ -31,12 +31,12 @@ from typing import Any, Mapping
 from ..cost import (
     NO_BUCKETING, OUTPUT_CONSUMER, Bucketing, Cluster, Liveness, bucketing_for, compute_seconds, halo_exchange_seconds, liveness, local_nbytes, node_work, reshard,
 )
-from ..ir import Graph, Node, Partial, Replicate, Role, Rule, ValueRef
+from ..ir import Graph, Node, Partial, Replicate, Rule, ValueRef
 from ..ir.plan import NodeStrategy
 from ..cost.bucketing import CAST_OPS, update_start
 from .precision import FORBIDDEN_S, reduces_partial, restricted_values
 from .shrink import follower_choice, tie_inputs, tie_nodes
-from .recompute import CLONE_SUFFIX
+from .recompute import CLONE_SUFFIX, loss_position
 from .strategies import StrategySet, input_strategies, node_strategies
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def _member_strategies(graph: Graph, rules: Mapping[str, Rule], cluster: Cluster
     parameter's gradient: after the loss, their outputs read by the update alone (a tied weight's two
     contributions). Offered to every node, they made cheaper plans at a price in search time: llama-7b on 8x8
     2.8 % cheaper a step by the cost model (its 96 sums of the residual stream's gradient in the backward),
-    with 31 % more variables and 1.7-2.1x the LP's seconds; llama-70b on 128x8 1.3 % cheaper, 340 k -> 450 k
+    with 31 % more variables and 1.7-2.4x the LP's seconds; llama-70b on 128x8 1.3 % cheaper, 340 k -> 450 k
     variables, its solve phase 38 -> 59 s (the issue's minute for the whole command is then broken).
     """
     mesh, cache = cluster.mesh, {}
@@ -156,8 +156,7 @@ def _gradient_sums(graph: Graph, start: int) -> frozenset[str]:
     """Nodes after the loss whose outputs are read by update-phase nodes only (from position ``start``,
     :func:`metadist.cost.bucketing.update_start`)."""
     position = {node.name: index for index, node in enumerate(graph.nodes)}
-    makers = [graph.producer(output.name) for output in graph.outputs if output.role is Role.LOSS]
-    loss = max((position[maker.name] for maker in makers if maker is not None), default=-1)
+    loss = loss_position(graph)
     found = set()
     for node in graph.nodes[loss + 1:start]:
         readers = [reader for value in node.output_values for reader in graph.users(value.name)]

@@ -27,7 +27,7 @@ from ..ir import Graph, Node, Role, Value, ValueRef
 from ..ir.graph import Arg
 from .shrink import layer_runs
 
-__all__ = ["CLONE_SUFFIX", "RecomputeLayer", "apply_recompute", "recompute_layers"]
+__all__ = ["CLONE_SUFFIX", "RecomputeLayer", "apply_recompute", "loss_position", "recompute_layers"]
 
 CLONE_SUFFIX = ".rc"
 """Appended to the name of a recomputed node and of each value it makes."""
@@ -48,7 +48,8 @@ class RecomputeLayer:
     """The layer's values the backward still reads as they are: its boundary and its random draws."""
 
 
-def _loss_position(graph: Graph) -> int:
+def loss_position(graph: Graph) -> int:
+    """The position of the last node making a loss output; -1 without one."""
     position_of = {node.name: index for index, node in enumerate(graph.nodes)}
     producers = [graph.producer(out.name) for out in graph.outputs_by_role(Role.LOSS)]
     positions = [position_of[node.name] for node in producers if node is not None]
@@ -63,7 +64,7 @@ def recompute_layers(graph: Graph) -> tuple[RecomputeLayer, ...]:
     at once: nothing to free). Layers a ``torch.utils.checkpoint`` already recomputes are not offered again: their
     backward reads only their inputs, which stay.
     """
-    loss = _loss_position(graph)
+    loss = loss_position(graph)
     if loss < 0:
         return ()
     forward: dict[int, list[int]] = {}
@@ -151,7 +152,7 @@ def apply_recompute(graph: Graph, layers: Iterable[int]) -> Graph:
     redirect: dict[str, str] = {}  # original value -> clone, for backward readers
     for layer in wanted:
         before.setdefault(found[layer].insert_before, []).append(found[layer])
-    loss = _loss_position(graph)
+    loss = loss_position(graph)
     nodes: list[Node] = []
     for position, node in enumerate(graph.nodes):
         for layer in before.get(node.name, ()):
