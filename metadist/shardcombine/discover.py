@@ -535,43 +535,19 @@ def _joint_passes(call: OpCall, executor: OpExecutor, draws: list[_Draw], config
 
 def _joint_holds(call: OpCall, executor: OpExecutor, draw: _Draw, subset: tuple[int, ...], count: int, split: str,
                  seed: int) -> bool:
-    zeroed = [np.zeros_like(x) if index in subset else x for index, x in enumerate(draw.inputs)]
-    rng = np.random.default_rng([seed, count, AFFINE_SPLITS.index(split), *subset])
-    parts = {index: affine_parts(draw.inputs[index], count, split, rng) for index in subset}
-    try:
-        if any(out is not None and np.any(out) for out in executor.run(call, zeroed)):
-            return False  # a linear op maps zeros to zeros (x + y + 1 is not)
-        results = []
-        for k in range(count):
-            results.append(executor.run(call, [parts[index][k] if index in parts else x for index, x in enumerate(draw.inputs)]))
-    except Exception as err:  # the op rejects the parts: no pass
-        log.debug("%s joint partial of inputs %s: %s", call.target, subset, err)
+    if not _vanishes_at_zero(call, executor, draw, subset):  # a linear op maps zeros to zeros (x + y + 1 is not)
         return False
-    for position, whole in enumerate(draw.whole):
-        pieces = [outputs[position] for outputs in results]
-        if whole is None:
-            if any(piece is not None for piece in pieces):
-                return False
-            continue
-        if any(piece is None or piece.shape != whole.shape for piece in pieces):
-            return False
-        dtype = call.node.outputs[position].spec.dtype  # type: ignore[union-attr]
-        for index in subset:
-            dtype = coarser_dtype(dtype, call.input_specs[index].dtype)
-        stacked = np.stack(pieces)
-        if not close(stacked.sum(axis=0), whole, dtype, scale=float(np.max(np.abs(stacked), initial=1.0))):
-            return False
-    return True
+    rng = np.random.default_rng([seed, count, AFFINE_SPLITS.index(split), *subset])
+    return _parts_recombine(call, executor, draw, {index: affine_parts(draw.inputs[index], count, split, rng) for index in subset}, "sum")
 
 
-def _vanishes_at_zero(call: OpCall, executor: OpExecutor, draw: _Draw, index: int) -> bool:
-    """A linear op maps a zero input to exactly zero outputs (``x + eps`` does not)."""
-    inputs = list(draw.inputs)
-    inputs[index] = np.zeros_like(inputs[index])
+def _vanishes_at_zero(call: OpCall, executor: OpExecutor, draw: _Draw, indices: tuple[int, ...]) -> bool:
+    """A linear op maps zero inputs (those at ``indices``) to exactly zero outputs (``x + eps`` does not)."""
+    inputs = [np.zeros_like(x) if index in indices else x for index, x in enumerate(draw.inputs)]
     try:
         outputs = executor.run(call, inputs)
     except Exception as err:  # e.g. a division by the zeroed input
-        log.debug("%s with input %d zeroed: %s", call.target, index, err)
+        log.debug("%s with inputs %s zeroed: %s", call.target, list(indices), err)
         return False
     return all(out is None or not np.any(out) for out in outputs)
 
@@ -598,30 +574,34 @@ def split_value(x: np.ndarray, op: str, count: int, rng: np.random.Generator, cr
 
 
 def _passes(call: OpCall, executor: OpExecutor, draw: _Draw, index: int, op: str, count: int, seed: int) -> bool:
-    if op == "sum" and not _vanishes_at_zero(call, executor, draw, index):
+    if op == "sum" and not _vanishes_at_zero(call, executor, draw, (index,)):
         return False
     for crossing in (False, True) if op != "sum" else (False,):
         rng = np.random.default_rng([seed, index, count, ("sum", "max", "min").index(op), crossing])
-        if not _parts_recombine(call, executor, draw, index, split_value(draw.inputs[index], op, count, rng, crossing), op):
+        if not _parts_recombine(call, executor, draw, {index: split_value(draw.inputs[index], op, count, rng, crossing)}, op):
             return False
     return True
 
 
-def _parts_recombine(call: OpCall, executor: OpExecutor, draw: _Draw, index: int, parts, op: str) -> bool:
+def _parts_recombine(call: OpCall, executor: OpExecutor, draw: _Draw, parts: dict[int, list[np.ndarray]], op: str) -> bool:
+    """The op run on the k-th part of every input in ``parts`` (the others whole), for each k: the outputs reduce
+    with ``op`` to the whole output."""
     results = []
     try:
-        for part in parts:
-            inputs = list(draw.inputs)
-            inputs[index] = part
-            results.append(executor.run(call, inputs))
+        for k in range(len(next(iter(parts.values())))):
+            results.append(executor.run(call, [parts[index][k] if index in parts else x for index, x in enumerate(draw.inputs)]))
     except Exception as err:  # the op rejects the parts (e.g. a domain error): no pass
-        log.debug("%s partial %s of input %d: %s", call.target, op, index, err)
+        log.debug("%s partial %s of inputs %s: %s", call.target, op, list(parts), err)
         return False
     for position, whole in enumerate(draw.whole):
-        if whole is None:
-            continue
         pieces = [outputs[position] for outputs in results]
-        dtype = coarser_dtype(call.node.outputs[position].spec.dtype, call.input_specs[index].dtype)  # type: ignore[union-attr]
+        if whole is None:
+            if any(p is not None for p in pieces):
+                return False
+            continue
+        dtype = call.node.outputs[position].spec.dtype  # type: ignore[union-attr]
+        for index in parts:
+            dtype = coarser_dtype(dtype, call.input_specs[index].dtype)
         if any(p is None or p.shape != whole.shape for p in pieces):
             return False
         stacked = np.stack(pieces)
