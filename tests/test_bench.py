@@ -328,7 +328,8 @@ def test_metadist_bench_passes_the_timing_to_the_harness():
 
 def test_op_costs_times_every_node_and_the_layout_copies_against_the_cost_models_price(capsys):
     """``python -m metadist.bench.op_costs``: a row per node of the captured step (and one per copy the runtime makes to
-    follow the trace's layout, priced 0), each with the cost model's price and a measured time; summed per operator."""
+    follow the trace's layout, priced 0), each with the cost model's price and its time alone and in the step's order;
+    summed per operator."""
     from metadist.bench.op_costs import CONTIGUOUS_COPY, by_op, main, measure
     from metadist.frontends.torch import capture_step
     from metadist.workloads import builtin_workload
@@ -341,13 +342,15 @@ def test_op_costs_times_every_node_and_the_layout_copies_against_the_cost_models
     copies = [row for row in data["nodes"] if row["op"] == CONTIGUOUS_COPY]
     assert [row["node"] for row in nodes] == [node.name for node in step.graph.nodes]
     assert copies and all(row["node"].removesuffix(".contiguous()") in step.contiguous_values for row in copies)
-    assert all(row["measured_s"] > 0 for row in data["nodes"]) and all(row["predicted_s"] > 0 for row in nodes)
+    assert all(row["measured_s"] > 0 and row["in_step_s"] > 0 for row in data["nodes"])
+    assert all(row["predicted_s"] > 0 for row in nodes)
     grouped = by_op(data["nodes"])
+    assert sum(entry["in_step_s"] for entry in grouped) == pytest.approx(sum(row["in_step_s"] for row in data["nodes"]))
     assert sum(entry["nodes"] for entry in grouped) == len(data["nodes"])
     assert [entry["measured_s"] for entry in grouped] == sorted((entry["measured_s"] for entry in grouped), reverse=True)
     assert main(["mlp", "--repeats", "1", "--cluster", "cpu-gloo", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.lstrip().startswith("mlp: ") and "nodes, each op timed alone" in out
+    assert out.lstrip().startswith("mlp: ") and "nodes, each op timed alone and in the step's order" in out
 
 
 def test_never_lose_leads_with_the_static_experts_extra_rows_where_the_model_routes_tokens():

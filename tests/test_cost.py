@@ -157,6 +157,12 @@ def test_an_op_that_computes_more_than_it_moves_is_priced_at_its_measured_rate_p
     assert Device(**{**fields, "op_element_seconds": [["exp", 1e-12], ["tanh", 3e-9]]}) == device
     one_axis = Cluster(mesh=mesh, device=device, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),))
     assert Cluster.from_dict(json.loads(one_axis.to_json())).device.element_seconds("tanh") == 3e-9
+    # a random draw (a dropout mask's bernoulli) is priced at its rate per element on the whole output: every rank
+    # draws the whole tensor whatever its strategy (the torch runtime's draw_random)
+    drawing = replace(device, op_element_seconds={"bernoulli": 12e-9})
+    bernoulli = Work(flops=float(spec.numel), draws_whole=True, op="bernoulli")
+    assert compute_seconds(bernoulli, [spec], [spec], split, mesh, drawing) == pytest.approx(4e-6 + spec.numel * 12e-9)
+    assert compute_seconds(bernoulli, [spec], [spec], replicated, mesh, drawing) == pytest.approx(4e-6 + spec.numel * 12e-9)
     with pytest.raises(ClusterError, match="per element"):
         Device(**{**fields, "op_element_seconds": {"tanh": -1e-9}})
     report = {"backend": "gloo", "memory_capacity_bytes": 1e9, "measurements": [],

@@ -120,6 +120,7 @@ def test_a_random_op_costs_its_whole_draw_in_metadist_and_its_share_in_torch_ddp
     node = graph.node("relu_1")
     work = node_work(graph, node)
     assert work.draws_whole and not node_work(plain, plain.node("relu_1")).draws_whole
+    assert work.op == "relu"  # named, so a device's measured seconds per element of the draw price it
     dp = baseline_plan(graph, rules, cluster, "dp")
     strategy = dp.node_strategies["relu_1"]
     assert any(choice.kind == "factor" for choice in strategy.choices)  # the batch is split

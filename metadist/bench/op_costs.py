@@ -1,25 +1,30 @@
 """Each op of a captured step: the cost model's compute seconds against the op timed on this machine (issue #16, part 2).
 
-    python -m metadist.bench.op_costs MODEL [MODEL ...] [--repeats 7] [--top 12] [--cluster NAME] [--out F.json]
+    python -m metadist.bench.op_costs MODEL [MODEL ...] [--batch-size B --seq-len S] [--repeats 7] [--top 12]
+        [--cluster NAME] [--out F.json]
 
-One process with one intra-op thread (as each rank of a local run has). The step of a built-in is captured, its
-graph run once node by node to hold every value, then each node is timed alone: its operator called ``--repeats``
-times on those values, the median kept (the call only, without the interpreter's own work). Each node's prediction
+One process with one intra-op thread (as each rank of a local run has). The step of a built-in (real weights) or a
+workload file is captured, its graph run once node by node to hold every value, then each node is timed twice: alone,
+its operator called ``--repeats`` times on those values, the median kept (the call only, without the interpreter's
+own work; the caches warm, as the calibration times ops), and in the step, the whole graph run ``--repeats`` times in
+order with each call timed once (its operands where the step before it left them in the caches). Each node's prediction
 is :func:`metadist.solver.estimate.node_compute_s` under the replicated strategy on a one-device mesh of the cluster
 (default: this machine as calibrated for one process, measured now if not cached). A value the runtime makes
 contiguous after its op (``TorchStep.contiguous_values``) is made so here too, and the copy is a row of its own
 (op ``(contiguous copy)``, predicted 0: the cost model does not price it). Printed per operator: nodes,
-predicted and measured milliseconds, and measured/predicted; then the nodes the model misprices the most by
-absolute difference. What it tells: which operators' prices a step's misprediction comes from. It does not
-time what a step adds around its ops (memory traffic between ops, allocation, Python): the whole step's time
-is ``make bench``'s.
+predicted, alone and in-step milliseconds and their ratios; then the nodes the model misprices the most in the step
+by absolute difference. What it tells: which operators' prices a step's misprediction comes from, and how much of it
+is the caches. It does not time what a step adds between its ops (allocation, Python): the whole step's time is
+``make bench``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +35,15 @@ CONTIGUOUS_COPY = "(contiguous copy)"
 """The rows of the copies the runtime makes after an op whose output the trace saw contiguous."""
 
 
-def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any]:
-    """Per node of ``model``'s captured step: op, predicted and measured seconds."""
+def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int | None = None,
+            seq_len: int | None = None) -> dict[str, Any]:
+    """Per node of ``model``'s captured step: op, predicted and measured seconds.
+
+    ``model``: a built-in (built on the CPU with real weights, at ``batch_size`` and ``seq_len`` when given) or a
+    workload file (``path.py[:function]``), as the bench harness takes them. Each node is timed twice over:
+    ``measured_s``, its op called ``repeats`` times in a row on the same values (the caches warm, as the calibration
+    times ops), and ``in_step_s``, the median over ``repeats`` runs of the whole graph in order of the node's one
+    call there (its operands as a step leaves them in the caches)."""
     import torch
 
     from ..cost.calibrate import machine_cluster
@@ -43,28 +55,38 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
     from ..ir import Mesh
     from ..solver.estimate import node_compute_s
     from ..solver.strategies import replicated_strategy
-    from ..workloads import builtin_workload
+    from ..workloads import builtin_workload, load_workload
+    from ..workloads.builtin import BUILTINS
 
     torch.set_num_threads(1)
+    if settings_from_env().keeps_host_memory:  # as the compiled step runs on CPU: freed memory reused, not unmapped
+        from ..runtime.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     mesh = Mesh((1,))
     cluster = (machine_cluster(mesh, settings_from_env().cache_dir, announce=lambda text: print(text, file=sys.stderr))
                if cluster_name is None else resolve_cluster(cluster_name, mesh))
-    workload = builtin_workload(model)
+    if model in BUILTINS:
+        workload = builtin_workload(model, device="cpu", batch_size=batch_size, seq_len=seq_len)
+    elif batch_size is not None or seq_len is not None:
+        raise SystemExit(f"--batch-size and --seq-len go with a built-in model; {model!r} is a workload file")
+    else:
+        workload = load_workload(model)
     optimizer = workload.optimizer(workload.model.parameters())
-    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=model)
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model)
     graph = step.graph
     env: dict[str, Any] = {gi.value.name: tensor for gi, tensor in
                            zip(graph.inputs, step.gather_inputs(workload.model, optimizer, workload.batch))}
     env.update(step.constants)
+    inputs = dict(env)
     rows = []
     with torch.no_grad():
-        for node in graph.nodes:
+        for node in graph.nodes:  # once to hold every value, each node priced
             op, args, kwargs = bound_call(node, env)
             outputs = node_results(node, op(*args, **kwargs))
             strategy = replicated_strategy(len(node.input_names), [value is not None for value in node.outputs], mesh)
-            rows.append({"node": node.name, "op": node.op.target,
-                         "predicted_s": node_compute_s(graph, node.name, strategy, cluster),
-                         "measured_s": median_seconds(lambda: op(*args, **kwargs), repeats)})
+            rows.append({"node": node.name, "op": node.op.target, "in_step": [],
+                         "predicted_s": node_compute_s(graph, node.name, strategy, cluster)})
             for value, tensor in zip(node.outputs, outputs):
                 if value is None:
                     continue
@@ -73,8 +95,33 @@ def measure(model: str, repeats: int, cluster_name: str | None) -> dict[str, Any
                     # the runtime lays it out as the trace did, after its op (TorchStep.contiguous_values): a copy
                     # the cost model does not price
                     env[value.name] = tensor.contiguous()
-                    rows.append({"node": f"{value.name}.contiguous()", "op": CONTIGUOUS_COPY, "predicted_s": 0.0,
-                                 "measured_s": median_seconds(tensor.contiguous, repeats)})
+                    rows.append({"node": f"{value.name}.contiguous()", "op": CONTIGUOUS_COPY, "in_step": [],
+                                 "predicted_s": 0.0})
+        for _ in range(repeats):  # the graph in order, each call timed once: the caches as a step leaves them
+            env = dict(inputs)
+            position = iter(rows)
+            for node in graph.nodes:
+                op, args, kwargs = bound_call(node, env)
+                started = time.perf_counter()
+                result = op(*args, **kwargs)
+                next(position)["in_step"].append(time.perf_counter() - started)
+                for value, tensor in zip(node.outputs, node_results(node, result)):
+                    if value is None:
+                        continue
+                    env[value.name] = tensor
+                    if value.name in step.contiguous_values and not tensor.is_contiguous():
+                        started = time.perf_counter()
+                        env[value.name] = tensor.contiguous()
+                        next(position)["in_step"].append(time.perf_counter() - started)
+        position = iter(rows)  # then each call alone, repeated on the same values (the heap grown by the runs above)
+        for node in graph.nodes:
+            op, args, kwargs = bound_call(node, env)
+            next(position)["measured_s"] = median_seconds(lambda: op(*args, **kwargs), repeats)
+            for value, tensor in zip(node.outputs, node_results(node, op(*args, **kwargs))):
+                if value is not None and value.name in step.contiguous_values and not tensor.is_contiguous():
+                    next(position)["measured_s"] = median_seconds(tensor.contiguous, repeats)
+    for row in rows:
+        row["in_step_s"] = statistics.median(row.pop("in_step"))
     return {"model": model, "cluster": cluster.name, "repeats": repeats, "nodes": rows}
 
 
@@ -82,10 +129,11 @@ def by_op(rows: list[dict]) -> list[dict]:
     """The rows summed per operator, the largest measured first."""
     grouped: dict[str, dict] = {}
     for row in rows:
-        entry = grouped.setdefault(row["op"], {"op": row["op"], "nodes": 0, "predicted_s": 0.0, "measured_s": 0.0})
+        entry = grouped.setdefault(row["op"], {"op": row["op"], "nodes": 0, "predicted_s": 0.0, "measured_s": 0.0,
+                                               "in_step_s": 0.0})
         entry["nodes"] += 1
-        entry["predicted_s"] += row["predicted_s"]
-        entry["measured_s"] += row["measured_s"]
+        for key in ("predicted_s", "measured_s", "in_step_s"):
+            entry[key] += row[key]
     return sorted(grouped.values(), key=lambda entry: -entry["measured_s"])
 
 
@@ -95,28 +143,36 @@ def _ratio(measured: float, predicted: float) -> str:
 
 def print_result(console: Console, data: dict, top: int) -> None:
     rows = data["nodes"]
-    predicted, measured = sum(row["predicted_s"] for row in rows), sum(row["measured_s"] for row in rows)
-    table = Table(title=f"{data['model']}: {len(rows)} nodes, each op timed alone (median of {data['repeats']}), "
-                        f"cost model {data['cluster']}")
-    for column in ("op", "nodes", "predicted ms", "measured ms", "measured/predicted", "share of measured"):
+    totals = {key: sum(row[key] for row in rows) for key in ("predicted_s", "measured_s", "in_step_s")}
+    table = Table(title=f"{data['model']}: {len(rows)} nodes, each op timed alone and in the step's order (median of "
+                        f"{data['repeats']}), cost model {data['cluster']}")
+    for column in ("op", "nodes", "predicted ms", "alone ms", "alone/predicted", "in step ms", "in step/predicted",
+                   "share of in step"):
         table.add_column(column, justify="left" if column == "op" else "right")
-    for entry in by_op(rows)[:top]:
-        table.add_row(entry["op"], str(entry["nodes"]), f"{entry['predicted_s'] * 1e3:.3f}", f"{entry['measured_s'] * 1e3:.3f}",
-                      _ratio(entry["measured_s"], entry["predicted_s"]), f"{entry['measured_s'] / measured:.1%}")
-    table.add_row("all", str(len(rows)), f"{predicted * 1e3:.3f}", f"{measured * 1e3:.3f}", _ratio(measured, predicted), "100%")
+
+    def cells(entry: dict) -> list[str]:
+        return [f"{entry['predicted_s'] * 1e3:.3f}", f"{entry['measured_s'] * 1e3:.3f}",
+                _ratio(entry["measured_s"], entry["predicted_s"]), f"{entry['in_step_s'] * 1e3:.3f}",
+                _ratio(entry["in_step_s"], entry["predicted_s"]), f"{entry['in_step_s'] / totals['in_step_s']:.1%}"]
+
+    for entry in sorted(by_op(rows), key=lambda entry: -entry["in_step_s"])[:top]:
+        table.add_row(entry["op"], str(entry["nodes"]), *cells(entry))
+    table.add_row("all", str(len(rows)), *cells(totals))
     console.print(table)
-    worst = Table(title="the nodes priced furthest from their time")
-    for column in ("node", "op", "predicted ms", "measured ms", "measured/predicted"):
+    worst = Table(title="the nodes priced furthest from their time in the step")
+    for column in ("node", "op", "predicted ms", "alone ms", "in step ms", "in step/predicted"):
         worst.add_column(column, justify="left" if column in ("node", "op") else "right")
-    for row in sorted(rows, key=lambda row: -abs(row["measured_s"] - row["predicted_s"]))[:top]:
+    for row in sorted(rows, key=lambda row: -abs(row["in_step_s"] - row["predicted_s"]))[:top]:
         worst.add_row(row["node"], row["op"], f"{row['predicted_s'] * 1e3:.3f}", f"{row['measured_s'] * 1e3:.3f}",
-                      _ratio(row["measured_s"], row["predicted_s"]))
+                      f"{row['in_step_s'] * 1e3:.3f}", _ratio(row["in_step_s"], row["predicted_s"]))
     console.print(worst)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m metadist.bench.op_costs", description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="built-in models (metadist.workloads)")
+    parser.add_argument("models", nargs="+", help="built-in models (metadist.workloads) or workload files (path.py)")
+    parser.add_argument("--batch-size", type=int, default=None, help="a built-in's batch size (its default if not given)")
+    parser.add_argument("--seq-len", type=int, default=None, help="a built-in's sequence length (its default if not given)")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per node (the median is kept)")
     parser.add_argument("--top", type=int, default=12, help="operators and nodes listed")
     parser.add_argument("--cluster", default=None, help="a preset or cluster JSON (default: this machine, calibrated)")
@@ -127,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     results = []
     for model in args.models:
-        data = measure(model, args.repeats, args.cluster)
+        data = measure(model, args.repeats, args.cluster, args.batch_size, args.seq_len)
         print_result(console, data, args.top)
         results.append(data)
     if args.out is not None:

@@ -113,8 +113,12 @@ STREAM_ROWS, STREAM_WIDTH = 8, 2048
 float32 ``[8, 4096] @ [4096, 4096]`` ran at 8 GFLOP/s against 70 for a square matmul of the same FLOPs, about 2 GB/s
 of the operand's bytes, where the elementwise rate was 21 GB/s."""
 
-ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20)
-"""Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte)."""
+ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+"""Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte). The
+largest (8M elements: three float32 operands of 32 MiB) is past a CPU's last-level cache, as a large model's
+activations and weights are during a step: on this project's machine (32 MiB of L3 shared by 2 cores) an add of
+1M-element operands ran at 18-21 GB/s, one of 8M at 10-13 GB/s, where the step's own adds and multiplies on
+6-28 MiB tensors ran at 1.4-1.5x their price from the smaller sizes."""
 
 
 ELEMENT_OP_SHAPE = (256, 1024)
@@ -123,12 +127,17 @@ the caches' help (1 MiB an operand) and short enough to time in a few millisecon
 
 
 def _element_ops(device: torch.device) -> dict[str, Any]:
-    """Ops whose kernels compute more than they move (transcendental functions, softmax and their backwards), by
-    :func:`metadist.cost.compute.op_name`, each a call on :data:`ELEMENT_OP_SHAPE` float32 operands."""
+    """Ops whose kernels compute more than they move (transcendental functions, softmax, layer norm and their
+    backwards, random draws), by :func:`metadist.cost.compute.op_name`, each a call on :data:`ELEMENT_OP_SHAPE` float32
+    operands. On this project's machine, a 12-layer GPT-2's step timed op by op (``python -m metadist.bench.op_costs
+    examples/gpt_85m.py``) ran its dropout masks (``bernoulli``) at 25x, ``_safe_softmax`` at 11x and layer norm and
+    its backward at 2.5-2.7x the price of their bytes."""
     aten = torch.ops.aten
     x = torch.randn(*ELEMENT_OP_SHAPE, device=device)
     positive, grad = x.abs() + 0.5, torch.randn_like(x)
     soft, log_soft = torch.softmax(x, -1), torch.log_softmax(x, -1)
+    weight, bias = torch.randn(ELEMENT_OP_SHAPE[1], device=device), torch.randn(ELEMENT_OP_SHAPE[1], device=device)
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [ELEMENT_OP_SHAPE[1]], weight, bias, 1e-5)
     return {
         "exp": lambda: aten.exp.default(x), "expm1": lambda: aten.expm1.default(x),
         "log": lambda: aten.log.default(positive), "log1p": lambda: aten.log1p.default(positive),
@@ -141,6 +150,12 @@ def _element_ops(device: torch.device) -> dict[str, Any]:
         "_log_softmax": lambda: aten._log_softmax.default(x, -1, False),
         "_softmax_backward_data": lambda: aten._softmax_backward_data.default(grad, soft, -1, torch.float32),
         "_log_softmax_backward_data": lambda: aten._log_softmax_backward_data.default(grad, log_soft, -1, torch.float32),
+        "_safe_softmax": lambda: aten._safe_softmax.default(x, -1),
+        "native_layer_norm": lambda: aten.native_layer_norm.default(x, [ELEMENT_OP_SHAPE[1]], weight, bias, 1e-5),
+        "native_layer_norm_backward": lambda: aten.native_layer_norm_backward.default(
+            grad, x, [ELEMENT_OP_SHAPE[1]], mean, rstd, weight, bias, [True, True, True]),
+        "bernoulli": lambda: aten.bernoulli.p(x, 0.9), "rand": lambda: aten.rand.default(list(ELEMENT_OP_SHAPE), device=device),
+        "randn": lambda: aten.randn.default(list(ELEMENT_OP_SHAPE), device=device),
     }
 
 

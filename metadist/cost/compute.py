@@ -13,12 +13,15 @@ at its local FLOPs and bytes. A matmul also takes at least its larger operand's 
 few rows passes over it (``Device.matmul_stream_bytes_per_s_by_dtype``): a skinny matmul (8 rows against a 4096-square
 float32 weight on this project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by
 it.
-Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softmax and its backward, ``gelu``...) run
+Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softmax, layer norm and their backwards,
+``gelu``, random draws...) run
 far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an element on this project's machine,
 where its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
 (``Device.op_element_seconds``), and a node of one is priced at least at that rate on its local output elements.
 View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
-(every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw). Every
+(every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw), at its
+measured seconds per element where the device has them (a dropout mask's ``bernoulli`` draws far slower than its
+bytes move). Every
 node, views included, also pays the device's fixed ``op_overhead_s`` (dispatch: a few microseconds per op on a CPU
 process; 0 on the GPU presets).
 
@@ -118,9 +121,9 @@ def node_work(graph: Graph, node: Node) -> Work:
         return Work(flops=0.0, is_view=True)
     ins = [graph.value(name).spec.shape for name in node.input_names]
     outs = [value.spec.shape for value in node.output_values]
-    if node.op.is_random:
-        return Work(flops=float(sum(_prod(shape) for shape in outs)), draws_whole=True)
     name = op_name(node.op.target)
+    if node.op.is_random:
+        return Work(flops=float(sum(_prod(shape) for shape in outs)), draws_whole=True, op=name)
     formula = _FLOPS.get(name)
     if formula is not None and outs:
         operands = _OPERANDS.get(name)
@@ -203,7 +206,7 @@ def compute_seconds(
     per_element = device.element_seconds(work.op) if work.op else 0.0
     if per_element:  # an op whose kernel computes more than it moves (exp, tanh, softmax): its measured rate
         roofline = max(roofline, per_element * sum(
-            local_nbytes(spec, sharding, mesh) / spec.itemsize
+            (spec.nbytes if work.draws_whole else local_nbytes(spec, sharding, mesh)) / spec.itemsize
             for spec, sharding in zip(output_specs, strategy.outputs) if spec is not None and sharding is not None))
     return device.op_overhead_s + roofline
 
