@@ -17,7 +17,7 @@ from metadist.cost.cluster import ClusterError, Link
 from metadist.cost.comm import collective_seconds
 from metadist.ir import Mesh
 from metadist.solver import baseline_plan, plan_graph
-from metadist.solver.baselines import torch_ddp_estimate
+from metadist.solver.baselines import fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate
 from test_solver_helpers import mlp_step
 
 
@@ -108,6 +108,35 @@ def _with_random_relu(graph):
     nodes = tuple(replace(node, op=replace(node.op, tags=frozenset({"random"}))) if node.name == "relu_1" else node
                   for node in graph.nodes)
     return replace(graph, nodes=nodes)
+
+
+def test_torch_fsdp_is_priced_per_unit_as_fsdp2_runs_it_and_sends_the_bytes_the_bench_measured():
+    """FSDP2 per unit: its parameters all-gathered before the forward (and again before the backward under ZeRO-3),
+    its gradients reduce-scattered, which gloo carries out as an all-reduce of the whole gradient. The bytes are
+    those the bench measured of torch's FSDP2 (docs/bench/results): on 4 ranks, 2.25x the padded parameters for
+    ZeRO-2 and 3x for ZeRO-3; on 2 ranks 1.5x and 2x."""
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    for world in (2, 4):
+        cluster = _synced("cpu-gloo", Mesh((world,)), sync_s=1e-3, op_overhead_s=30e-6)
+        cluster = replace(cluster, device=replace(cluster.device, eager_op_overhead_s=10e-6),
+                          axis_links=tuple(replace(link, reduce_scatter_as_all_reduce=True) for link in cluster.axis_links))
+        # two units and the root's own parameters; dim 0 padded up to a multiple of the ranks (33 rows -> 36 on 4)
+        units = fsdp_unit_bytes([[(33, 16), (33,)], [(64, 64)], [()]], [[4, 4], [4], [4]], world)
+        padded = 4 * (-(-33 // world) * world) * 17
+        assert units == [padded, 64 * 64 * 4, world * 4.0]
+        link = cluster.link(0)
+        for reshard_after_forward, multiple, calls in ((False, {2: 1.5, 4: 2.25}, 1), (True, {2: 2.0, 4: 3.0}, 2)):
+            zero = baseline_plan(graph, rules, cluster, "zero3" if reshard_after_forward else "zero2")
+            priced = torch_fsdp_estimate(graph, cluster, zero.estimate, units, reshard_after_forward, layout_plan=zero)
+            assert sum(priced["comm_bytes_by_axis"].values()) == pytest.approx(multiple[world] * sum(units))
+            assert priced["collectives_by_kind"] == {"all_gather": calls * 3, "reduce_scatter": 3}
+            expected = sum(calls * collective_seconds("all_gather", size / world, world, link)[0]
+                           + collective_seconds("all_reduce", size, world, link)[0] for size in units)
+            assert priced["comm_s"] == pytest.approx(expected)
+            assert priced["compute_s"] == pytest.approx(zero.estimate["compute_s"] - len(graph.nodes) * 20e-6)
+            assert priced["step_s"] == pytest.approx(priced["compute_s"] + priced["comm_s"])
+    with pytest.raises(ValueError, match="one axis"):
+        torch_fsdp_estimate(graph, _synced("cpu-gloo", Mesh((2, 2)), sync_s=0.0), zero.estimate, units, True)
 
 
 def test_a_random_op_costs_its_whole_draw_in_metadist_and_its_share_in_torch_ddp():

@@ -8,9 +8,10 @@ reported is rank 0's.
 
 The cost model's estimates of the same step (MetaDist's plan and the solver's own baselines
 ``dp``, ``zero2``, ``zero3``, ``megatron``) come back with the rows, so the report can set the
-predicted communication and time next to the measured ones. torch's DDP is priced as it runs
-(:func:`metadist.solver.baselines.torch_ddp_estimate`: eager compute, one all-reduce per gradient
-bucket), the solver's ``dp`` layout's own estimate kept as ``solver_dp_layout_step_s``.
+predicted communication and time next to the measured ones. torch's DDP and FSDP2 are priced as they
+run (:func:`metadist.solver.baselines.torch_ddp_estimate`: eager compute, one all-reduce per gradient
+bucket; :func:`~metadist.solver.baselines.torch_fsdp_estimate`: per unit, its all-gathers and its
+reduce-scatter), the solver's layout's own estimate kept as ``solver_layout_step_s``.
 """
 
 from __future__ import annotations
@@ -95,11 +96,7 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
                 rules = api["graph_rules"](torch_step.graph, api["TorchExecutor"](), db=db)
                 discovery_s = time.perf_counter() - started
             dist.barrier()
-    mesh = api["Mesh"](tuple(ctx.mesh_shape))
-    if ctx.cluster is None and ctx.device.type == "cpu":
-        cluster = machine_cpu_cluster(mesh, ctx)
-    else:
-        cluster = api["resolve_cluster"](ctx.cluster, mesh)
+    cluster = _cluster_over(api["Mesh"](tuple(ctx.mesh_shape)), ctx, api)
     return Planned(torch_step, rules, cluster, {"capture": capture_s, "discovery": discovery_s})
 
 
@@ -228,28 +225,60 @@ def expert_placement_note(graph: Any, plan: Any) -> str:
 
 
 def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[str, Any]]:
-    """The cost model's estimate of each solver baseline, keyed by the measured method it stands for."""
+    """The cost model's estimate of each solver baseline, keyed by the measured method it stands for. torch's DDP
+    and FSDP2 (``ddp``, ``zero2``, ``zero3``) are priced as they run, over all ranks on one axis (as the harness runs
+    them whatever the mesh), the solver's layout's own estimate kept as ``solver_layout_step_s``."""
+    from ..solver.baselines import fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate
+
     api = _api()
     model = copy.deepcopy(workload.model)
     optimizer = workload.optimizer(model.parameters())
     planned = compile_plan_inputs(workload, ctx, api, model, optimizer)
     two_d = len(ctx.mesh_shape) == 2
+    flat = planned.cluster if not two_d else _cluster_over(api["Mesh"]((ctx.world_size,)), ctx, api)
+    graph = planned.torch_step.graph
     predictions: dict[str, dict[str, Any]] = {}
     for kind, (one_d_name, two_d_name) in PREDICTED_AS.items():
         name = two_d_name if two_d else one_d_name
         try:
-            plan = api["baseline_plan"](planned.torch_step.graph, planned.rules, planned.cluster, kind)
+            plan = api["baseline_plan"](graph, planned.rules, planned.cluster, kind)
         except ValueError as err:  # the solver's errors are ValueErrors with a message
             predictions[name] = {"error": str(err)}
             continue
-        predictions[name] = _estimate_summary(plan.estimate)
+        layout = _estimate_summary(plan.estimate)
         if kind == "dp":  # torch's DDP is measured: priced as it runs (eager compute, bucketed gradient all-reduces)
-            from ..solver.baselines import torch_ddp_estimate
-
-            predictions[name] = {**_estimate_summary(torch_ddp_estimate(planned.torch_step.graph, planned.cluster, plan.estimate,
-                                                                           dp_plan=plan)),
-                                 "solver_dp_layout_step_s": predictions[name]["step_s"]}
+            layout = _estimate_summary(torch_ddp_estimate(graph, flat, plan.estimate, dp_plan=plan)) | {
+                "solver_layout_step_s": layout["step_s"]}
+        elif kind in ("zero2", "zero3"):  # torch's FSDP2, one unit per block and the root
+            shapes, sizes = _fsdp_units(model)
+            layout = _estimate_summary(torch_fsdp_estimate(
+                graph, flat, plan.estimate, fsdp_unit_bytes(shapes, sizes, ctx.world_size),
+                reshard_after_forward=kind == "zero3", layout_plan=plan)) | {"solver_layout_step_s": layout["step_s"]}
+        predictions[name] = layout
     return predictions
+
+
+def _cluster_over(mesh: Any, ctx: RankContext, api: Mapping[str, Any]) -> Any:
+    """The cluster the bench prices ``mesh`` with (every rank calls it: the calibration waits for rank 0)."""
+    if ctx.cluster is None and ctx.device.type == "cpu":
+        return machine_cpu_cluster(mesh, ctx)
+    return api["resolve_cluster"](ctx.cluster, mesh)
+
+
+def _fsdp_units(model: Any) -> tuple[list[list[tuple[int, ...]]], list[list[int]]]:
+    """The parameter shapes and item sizes of each unit the harness's FSDP2 baselines wrap (:func:`.baselines.shard_units`,
+    then the root with every parameter no unit holds), each parameter once."""
+    from .baselines import shard_units
+
+    seen: set[int] = set()
+    shapes: list[list[tuple[int, ...]]] = []
+    sizes: list[list[int]] = []
+    for unit in [*shard_units(model), model]:
+        mine = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        shapes.append([tuple(p.shape) for p in mine])
+        sizes.append([p.element_size() for p in mine])
+    return shapes, sizes
 
 
 def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:

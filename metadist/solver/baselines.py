@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 from ..cost import Cluster, compute_seconds, node_work
 from ..ir import Graph, Mesh, Replicate, Role, Shard, TensorSpec
@@ -156,6 +156,60 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
             "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
             "memory_bytes_peak": dp_estimate.get("memory_bytes_peak"),
             "collectives_by_kind": {"all_reduce": buckets} if buckets else {}, "cluster": cluster.name}
+
+
+def fsdp_unit_bytes(parameter_shapes: Sequence[Sequence[Sequence[int]]], itemsizes: Sequence[Sequence[int]],
+                    world: int) -> list[float]:
+    """Bytes of each FSDP unit's flat parameter as torch's FSDP2 gathers it over ``world`` ranks: every parameter's
+    dim 0 padded up to a multiple of ``world`` (a 0-d parameter counts as one row). ``parameter_shapes[u]`` and
+    ``itemsizes[u]``: unit ``u``'s parameters (each parameter in one unit only)."""
+    units = []
+    for shapes, sizes in zip(parameter_shapes, itemsizes):
+        total = 0.0
+        for shape, itemsize in zip(shapes, sizes):
+            rows = shape[0] if shape else 1
+            rest = 1
+            for size in shape[1:]:
+                rest *= size
+            total += -(-rows // world) * world * rest * itemsize
+        units.append(total)
+    return units
+
+
+def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, unit_bytes: Sequence[float],
+                        reshard_after_forward: bool, layout_plan: Plan | None = None) -> dict[str, Any]:
+    """The cost model's price of torch's FSDP2 (``fully_shard`` per unit and at the root) on ``graph`` over all of
+    ``cluster``'s ranks on one axis (``cluster.mesh`` one-dimensional): not the solver's ``zero2``/``zero3`` layout.
+
+    Each unit (``unit_bytes``: its padded flat parameter, :func:`fsdp_unit_bytes`) all-gathers its parameters before
+    its forward, again before its backward when ``reshard_after_forward`` (ZeRO-3; ZeRO-2 keeps them gathered), and
+    reduce-scatters its gradients after its backward (carried out as an all-reduce of the whole gradient on gloo):
+    one call each, paying its full fixed and in-step cost. Compute: the layout's (``layout_estimate``, the update on
+    each rank's shard) at the eager per-node cost, random ops drawn per rank (``layout_plan``), as
+    :func:`torch_ddp_estimate` prices DDP's; no overlap is assumed."""
+    from ..cost.comm import collective_seconds
+
+    if cluster.mesh.ndim != 1:
+        raise ValueError(f"torch_fsdp_estimate prices FSDP over all ranks on one axis; got mesh {cluster.mesh}")
+    device = cluster.device
+    compute_s = float(layout_estimate["compute_s"])
+    if layout_plan is not None:
+        compute_s -= eager_random_discount(graph, layout_plan, cluster)
+    if device.eager_op_overhead_s > 0:
+        compute_s += len(graph.nodes) * (device.eager_op_overhead_s - device.op_overhead_s)
+    world, link = cluster.mesh.size, cluster.link(0)
+    gathers = 2 if reshard_after_forward else 1
+    comm_s = comm_bytes = 0.0
+    calls: dict[str, int] = {}
+    for size in (size for size in unit_bytes if size > 0 and world > 1):
+        for kind, buffer, count in (("all_gather", size / world, gathers), ("reduce_scatter", size, 1)):
+            seconds, sent = collective_seconds(kind, buffer, world, link)
+            comm_s, comm_bytes = comm_s + count * seconds, comm_bytes + count * sent
+            calls[kind] = calls.get(kind, 0) + count
+    return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+            "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
+            "memory_bytes_peak": layout_estimate.get("memory_bytes_peak"),
+            "collectives_by_kind": calls, "cluster": cluster.name}
 
 
 def eager_random_discount(graph: Graph, plan: Plan, cluster: Cluster) -> float:
