@@ -389,8 +389,11 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "`calibrated-gloo` is this machine as `metadist calibrate` measured it (run automatically on first "
                   "use and cached); `cpu-gloo` is the fixed preset older result files were predicted with. Predicted "
                   "wire bytes count what the rank program sends (a resharding shared by its readers once, gloo's "
-                  "reduce-scatter as the all-reduce it runs); the baselines' predictions are the solver's own dp/ZeRO/"
-                  "Megatron layouts, which move other collectives than torch's DDP and FSDP.", "",
+                  "reduce-scatter as the all-reduce it runs). torch's DDP and FSDP2 (ddp, zero2, zero3) are priced as they "
+                  "run: one all-reduce per 25 MiB gradient bucket; per FSDP unit its all-gathers and its reduce-scatter, "
+                  "at the eager per-node cost (result files older than that carry the solver's dp/ZeRO layouts' "
+                  "estimates). The Megatron rows (tp, tp-dp) are the solver's Megatron layout, which moves other "
+                  "collectives than the hand-written plans.", "",
                   _ratio_summary(prediction), "",
                   markdown_table(("model", "method", "predicted ms", "measured ms", "measured/predicted",
                                   "predicted wire/rank", "measured wire/rank", "measured/predicted"), prediction), ""]
