@@ -131,6 +131,29 @@ def test_compute_is_priced_at_the_rates_of_its_dtype():
     assert Cluster.from_dict(json.loads(Cluster(mesh=mesh, device=curved, axis_links=(Link(bandwidth_bytes_per_s=1e9, latency_s=0.0),)).to_json())).device == curved
 
 
+def test_a_batched_matmul_runs_at_the_rate_of_one_of_its_matmuls():
+    """``bmm`` runs one small matmul per batch element: its FLOPs are priced at the curve's rate for one of them (its
+    local output's leading dims: a strategy that splits the batch leaves each rank fewer, of the same size)."""
+    from metadist.cost.cluster import Device
+
+    device = Device(peak_flops_per_s=1e11, memory_bandwidth_bytes_per_s=1e15, memory_capacity_bytes=1e9,
+                    op_overhead_s=0.0, matmul_curves={"float32": [(2 * 64**3, 1e10), (2 * 512**3, 1e11)]})
+    q, k, scores = TensorSpec((48, 64, 64), "float32"), TensorSpec((48, 64, 64), "float32"), TensorSpec((48, 64, 64), "float32")
+    mesh = Mesh((2,))
+    flops = 2.0 * 48 * 64**3
+    replicated = NodeStrategy(choices=(AxisChoice("replicate"),), inputs=((Replicate(),), (Replicate(),)),
+                              outputs=((Replicate(),),))
+    split = NodeStrategy(choices=(AxisChoice("factor", 0),), inputs=((Shard(0),), (Shard(0),)), outputs=((Shard(0),),))
+    bmm = Work(flops=flops, operands=(0, 1), op="bmm")
+    assert compute_seconds(bmm, [q, k], [scores], replicated, mesh, device) == pytest.approx(flops / 1e10)
+    assert compute_seconds(bmm, [q, k], [scores], split, mesh, device) == pytest.approx(flops / 2 / 1e10)
+    # one matmul of the same FLOPs (mm) takes the rate of its own size
+    mm = Work(flops=flops, operands=(0, 1), op="mm")
+    assert compute_seconds(mm, [q, k], [scores], replicated, mesh, device) == pytest.approx(
+        flops / device.flops_per_s("float32", flops))
+    assert device.flops_per_s("float32", flops) > 3e10
+
+
 def test_an_op_that_computes_more_than_it_moves_is_priced_at_its_measured_rate_per_element():
     """``tanh``, ``exp``, softmax and the like run far below the elementwise roofline on a CPU: a calibrated device's
     seconds per element price them (on the local output), a floor under the roofline, beyond the per-op overhead."""

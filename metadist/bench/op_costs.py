@@ -79,40 +79,17 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
                            zip(graph.inputs, step.gather_inputs(workload.model, optimizer, workload.batch))}
     env.update(step.constants)
     inputs = dict(env)
-    rows = []
     with torch.no_grad():
-        for node in graph.nodes:  # once to hold every value, each node priced
-            op, args, kwargs = bound_call(node, env)
-            outputs = node_results(node, op(*args, **kwargs))
-            strategy = replicated_strategy(len(node.input_names), [value is not None for value in node.outputs], mesh)
-            rows.append({"node": node.name, "op": node.op.target, "in_step": [],
-                         "predicted_s": node_compute_s(graph, node.name, strategy, cluster)})
-            for value, tensor in zip(node.outputs, outputs):
-                if value is None:
-                    continue
-                env[value.name] = tensor
-                if value.name in step.contiguous_values and not tensor.is_contiguous():
-                    # the runtime lays it out as the trace did, after its op (TorchStep.contiguous_values): a copy
-                    # the cost model does not price
-                    env[value.name] = tensor.contiguous()
-                    rows.append({"node": f"{value.name}.contiguous()", "op": CONTIGUOUS_COPY, "in_step": [],
-                                 "predicted_s": 0.0})
+        first = _run_in_order(graph, env, step.contiguous_values)  # once to hold every value
+        rows = [{"node": name, "op": CONTIGUOUS_COPY if node is None else node.op.target, "in_step": [],
+                 "predicted_s": 0.0 if node is None else node_compute_s(
+                     graph, node.name, replicated_strategy(len(node.input_names),
+                                                           [value is not None for value in node.outputs], mesh), cluster)}
+                for name, node, _ in first]
         for _ in range(repeats):  # the graph in order, each call timed once: the caches as a step leaves them
             env = dict(inputs)
-            position = iter(rows)
-            for node in graph.nodes:
-                op, args, kwargs = bound_call(node, env)
-                started = time.perf_counter()
-                result = op(*args, **kwargs)
-                next(position)["in_step"].append(time.perf_counter() - started)
-                for value, tensor in zip(node.outputs, node_results(node, result)):
-                    if value is None:
-                        continue
-                    env[value.name] = tensor
-                    if value.name in step.contiguous_values and not tensor.is_contiguous():
-                        started = time.perf_counter()
-                        env[value.name] = tensor.contiguous()
-                        next(position)["in_step"].append(time.perf_counter() - started)
+            for row, (_, _, seconds) in zip(rows, _run_in_order(graph, env, step.contiguous_values), strict=True):
+                row["in_step"].append(seconds)
         position = iter(rows)  # then each call alone, repeated on the same values (the heap grown by the runs above)
         for node in graph.nodes:
             op, args, kwargs = bound_call(node, env)
@@ -123,6 +100,29 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
     for row in rows:
         row["in_step_s"] = statistics.median(row.pop("in_step"))
     return {"model": model, "cluster": cluster.name, "repeats": repeats, "nodes": rows}
+
+
+def _run_in_order(graph, env: dict[str, Any], contiguous_values) -> list[tuple[str, Any, float]]:
+    """Run ``graph``'s nodes in order on ``env`` (filled in place), each value the runtime makes contiguous after its
+    op (``TorchStep.contiguous_values``) made so, as the runtime lays it out; (name, node, seconds) of each call, a
+    copy's node None (op ``(contiguous copy)``: a copy the cost model does not price)."""
+    from ..frontends.torch.execute import bound_call, node_results
+
+    calls = []
+    for node in graph.nodes:
+        op, args, kwargs = bound_call(node, env)
+        started = time.perf_counter()
+        result = op(*args, **kwargs)
+        calls.append((node.name, node, time.perf_counter() - started))
+        for value, tensor in zip(node.outputs, node_results(node, result)):
+            if value is None:
+                continue
+            env[value.name] = tensor
+            if value.name in contiguous_values and not tensor.is_contiguous():
+                started = time.perf_counter()
+                env[value.name] = tensor.contiguous()
+                calls.append((f"{value.name}.contiguous()", None, time.perf_counter() - started))
+    return calls
 
 
 def by_op(rows: list[dict]) -> list[dict]:

@@ -9,14 +9,13 @@ being the device's for the node's **compute dtype** (its first floating input's,
 and float16 matmuls run at about twice the float32 (TF32) rate on GPUs, and their bytes are half; on a CPU their
 kernels run at other rates again. A calibrated device also prices by size (``Device.matmul_curves``,
 ``Device.elementwise_curves``: measured per dtype by ``metadist calibrate``): a node's rates are the ones measured
-at its local FLOPs and bytes. A matmul also takes at least its larger operand's local bytes at the rate a matmul of
-few rows passes over it (``Device.matmul_stream_bytes_per_s_by_dtype``): a skinny matmul (8 rows against a 4096-square
-float32 weight on this project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by
-it.
+at its local FLOPs and bytes (a batched matmul's FLOPs per batch element: it runs that many small matmuls). A matmul
+also takes at least its larger operand's local bytes at the rate a matmul of few rows passes over it
+(``Device.matmul_stream_bytes_per_s_by_dtype``): a skinny matmul (8 rows against a 4096-square float32 weight on this
+project's machine: 8 GFLOP/s, against 70 for a square one of the same FLOPs) is priced by it.
 Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softmax, layer norm and their backwards,
-``gelu``, random draws...) run
-far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an element on this project's machine,
-where its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
+``gelu``, random draws...) run far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an
+element on this project's machine, where its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
 (``Device.op_element_seconds``), and a node of one is priced at least at that rate on its local output elements.
 View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
 (every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw), at its
@@ -39,7 +38,7 @@ from typing import Callable, Sequence
 from ..ir import Graph, Mesh, Node, Shard, TensorSpec
 from ..ir.plan import NodeStrategy
 from .cluster import Device
-from .sharding import local_nbytes
+from .sharding import largest_local_shape, local_nbytes
 
 Shapes = Sequence[tuple[int, ...]]
 
@@ -94,6 +93,9 @@ def _attention_flops(ins: Shapes, outs: Shapes) -> float:  # q [B, H, L, D], k [
 
 #: The operands (input positions) of matmul ops, by op name.
 _OPERANDS: dict[str, tuple[int, int]] = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
+
+#: Batched matmuls: a call runs one small matmul per batch element, at the rate of a matmul of that size.
+_BATCHED = frozenset({"bmm", "baddbmm"})
 
 #: FLOP formulas by op name (the target without namespace and overload: ``aten.mm.default`` -> ``mm``).
 _FLOPS: dict[str, Callable[[Shapes, Shapes], float]] = {
@@ -200,7 +202,8 @@ def compute_seconds(
         if spec is not None and sharding is not None
     )
     dtype = compute_dtype(input_specs, output_specs)
-    roofline = max(flops / device.flops_per_s(dtype, flops), memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
+    roofline = max(flops / device.flops_per_s(dtype, _rate_flops(work, flops, output_specs, strategy, mesh)),
+                   memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:
         roofline = max(roofline, device.matmul_stream_s(dtype, max(input_bytes[i] for i in work.operands)))
     per_element = device.element_seconds(work.op) if work.op else 0.0
@@ -209,6 +212,19 @@ def compute_seconds(
             (spec.nbytes if work.draws_whole else local_nbytes(spec, sharding, mesh)) / spec.itemsize
             for spec, sharding in zip(output_specs, strategy.outputs) if spec is not None and sharding is not None))
     return device.op_overhead_s + roofline
+
+
+def _rate_flops(work: Work, flops: float, output_specs: Sequence[TensorSpec | None], strategy: NodeStrategy,
+                mesh: Mesh) -> float:
+    """The FLOPs whose rate on the device's curve prices the node: a batched matmul's per batch element (its local
+    output's leading dims), as it runs that many small matmuls (GPT-2's attention scores, 48 matmuls of 128 x 64 x 128
+    a call, ran at 0.6x the rate of one matmul of the call's FLOPs on this project's machine); the node's own else."""
+    if work.op not in _BATCHED or not output_specs or output_specs[0] is None or not strategy.outputs \
+            or strategy.outputs[0] is None:
+        return flops
+    local = largest_local_shape(output_specs[0], strategy.outputs[0], mesh)
+    batches = _prod(local[:-2])
+    return flops / batches if batches > 1 else flops
 
 
 _FLOATING = ("float", "bfloat")
