@@ -376,3 +376,21 @@ def test_never_lose_leads_with_the_static_experts_extra_rows_where_the_model_rou
     capped = replace(routing, capacity=5)  # C = ceil(1.25 * k * S / E): 5 slots of 16
     assert not capped.dropless and computed_over_routed([capped]) == 8 * 4 * 5 / (64 * 2)
     assert computed_over_routed([routing, capped]) == 8 * 4 * (16 + 5) / (2 * 64 * 2)  # rows summed over the layers
+
+
+def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
+    """``make bench`` measures the machine again before every entry, for its process count, so that an entry's
+    predictions are priced at the machine's speed of that minute; ``--keep-calibration`` plans with the cached one."""
+    from metadist.bench import suite
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(suite, "_run", lambda argv: ran.append(argv) or True)
+    monkeypatch.setattr(suite, "write_report", lambda *args, **kwargs: tmp_path / "benchmarks.md")
+    assert suite.main(["--models", "gpt-85m,mlp,gpt2-tiny", "--skip-scale", "--docs", str(tmp_path)]) == 0
+    steps = [("calibrate", argv[argv.index("--nproc") + 1]) if "calibrate" in argv else ("bench", argv[argv.index("metadist.bench.harness") + 1])
+             for argv in ran]
+    assert steps == [("calibrate", "2"), ("bench", "examples/gpt_85m.py"), ("calibrate", "4"), ("bench", "mlp"),
+                     ("calibrate", "4"), ("bench", "gpt2-tiny")]
+    ran.clear()
+    assert suite.main(["--models", "mlp", "--skip-scale", "--keep-calibration", "--docs", str(tmp_path)]) == 0
+    assert len(ran) == 1 and "metadist.bench.harness" in ran[0]

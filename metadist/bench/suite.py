@@ -2,10 +2,12 @@
 
     python -m metadist.bench.suite [--nproc 4] [--models mlp,gpt2-tiny,...] [--skip-scale] [--docs docs]
 
-The machine is calibrated again first, for each process count the entries run on (``metadist calibrate
+The machine is calibrated again right before each entry, for the entry's process count (``metadist calibrate
 --nproc N``, the figures MetaDist's plans and the predicted column are priced with): a calibration cached on
-another day may have met a machine of another speed (this project's shared 2-core machine ran matmuls at 49 and
-at 94 GFLOP/s within the same hour). ``--keep-calibration`` plans with the cached one. Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
+another day, or made for another entry twenty minutes earlier, may have met a machine of another speed (this
+project's shared 2-core machine ran matmuls at 49 and at 94 GFLOP/s within the same hour; a 2-process calibration
+at 37 GFLOP/s, then gpt-85m's step at 1.3x the speed it assumed, predicted 0.68-0.84 of every method's measured
+step). ``--keep-calibration`` plans with the cached one. Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
 files land in ``docs/bench/results/``, the scale study in ``docs/bench/scale_study.json``, and the
 page and its plots are written from them (:mod:`.report`).
 """
@@ -113,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     if not args.skip_measure:
         entries = [entry for entry in DEFAULT_ENTRIES if entry.slug in wanted or entry.model in wanted]
-        for nproc in [] if args.keep_calibration else sorted({entry.nproc or args.nproc for entry in entries}):
-            _run(calibrate_argv(nproc))
         for entry in entries:
             nproc = entry.nproc or args.nproc
+            if not args.keep_calibration:
+                _run(calibrate_argv(nproc))
             _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"))
     scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
     commands.append(shlex.join(["python", *scale_argv[1:]]))
