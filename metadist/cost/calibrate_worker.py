@@ -242,9 +242,16 @@ def _matmul_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[int, f
         a, b = operands(n)
         seconds = _per_call_seconds(lambda: torch.mm(a, b), device)
         curve.append((2 * n**3, _net_rate(2 * n**3, seconds, floor)))
-        if seconds > 0.05:
+        if _any_rank(seconds > 0.05, device):  # every rank stops at the same size: their figures are reduced key by key
             break
     return curve
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (every rank calls this at the same point)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _matmul_stream(device: torch.device, dtype: torch.dtype) -> float:
@@ -287,6 +294,11 @@ def _tiny_op_chain(length: int) -> torch.nn.Module:
 def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float]:
     """Every rank's figures -> the slowest rank's (lowest rates, highest overhead)."""
     keys = sorted(figures)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, keys)
+    if any(other != keys for other in every):  # a reduction of lists of other lengths would abort the processes
+        differing = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
+        raise RuntimeError(f"internal: the calibration's ranks measured different figures ({', '.join(differing)})")
     sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:")) else -1.0 for key in keys]
     values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
