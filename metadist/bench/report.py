@@ -232,8 +232,8 @@ def _ratio_summary(rows: Sequence[Sequence[str]]) -> str:
     ours = [row for row in rows if row[1].startswith("metadist")]
     theirs = [row for row in rows if not row[1].startswith("metadist")]
     return (f"Measured over predicted, MetaDist's {len(ours)} rows (the plan the runtime runs): step time "
-            f"{_spread(ours, 4)}; wire bytes {_spread(ours, 7)}. The baselines' {len(theirs)} rows (torch's DDP/FSDP "
-            f"against the solver's layouts of the same name): step time {_spread(theirs, 4)}; wire bytes "
+            f"{_spread(ours, 4)}; wire bytes {_spread(ours, 7)}. The baselines' {len(theirs)} rows (torch's DDP and FSDP2 "
+            f"against their estimates, the Megatron rows against the solver's Megatron layout): step time {_spread(theirs, 4)}; wire bytes "
             f"{_spread(theirs, 7)}. A ratio above 1 means the cost model is optimistic.")
 
 
