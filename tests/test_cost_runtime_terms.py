@@ -165,6 +165,15 @@ def test_a_random_op_costs_its_whole_draw_in_metadist_and_its_share_in_torch_ddp
     # the MetaDist estimate pays the whole draw; torch's DDP draws each rank's share
     assert eager_random_discount(graph, dp, cluster) == pytest.approx(whole - share)
     assert eager_random_discount(plain, baseline_plan(plain, rules, cluster, "dp"), cluster) == 0.0
+    # a layout planned on 2x2, priced (as the bench prices torch's DDP) on the cluster of all 4 ranks on one axis: the
+    # discount is the layout's own, on its own mesh
+    square = _synced("cpu-gloo", Mesh((2, 2)), sync_s=0.0, op_overhead_s=0.0)
+    dp_square = baseline_plan(graph, rules, square, "dp")
+    flat = _synced("cpu-gloo", Mesh((4,)), sync_s=0.0, op_overhead_s=0.0)
+    assert eager_random_discount(graph, dp_square, flat) == pytest.approx(eager_random_discount(graph, dp_square, square))
+    assert eager_random_discount(graph, dp_square, flat) > 0
+    assert torch_ddp_estimate(graph, flat, dp_square.estimate, dp_plan=dp_square)["compute_s"] == pytest.approx(
+        torch_ddp_estimate(graph, flat, dp_square.estimate)["compute_s"] - eager_random_discount(graph, dp_square, square))
     priced = torch_ddp_estimate(graph, cluster, dp.estimate, dp_plan=dp)
     assert priced["compute_s"] == pytest.approx(torch_ddp_estimate(graph, cluster, dp.estimate)["compute_s"] - (whole - share))
 

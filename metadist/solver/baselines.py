@@ -215,7 +215,9 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
 def eager_random_discount(graph: Graph, plan: Plan, cluster: Cluster) -> float:
     """Seconds less that ``plan``'s random ops take when each rank draws only its own share, as torch runs a model
     eagerly under DDP or FSDP (other values than one device's), against MetaDist's runtime, which draws every random
-    tensor whole on every rank and keeps its slice (:attr:`metadist.cost.compute.Work.draws_whole`)."""
+    tensor whole on every rank and keeps its slice (:attr:`metadist.cost.compute.Work.draws_whole`). Priced on
+    ``plan``'s own mesh with ``cluster``'s device (the torch estimates price their collectives over all ranks on one
+    axis, whatever mesh the layout was planned on)."""
     saved = 0.0
     for node in graph.nodes:
         if not node.op.is_random:
@@ -224,7 +226,7 @@ def eager_random_discount(graph: Graph, plan: Plan, cluster: Cluster) -> float:
         in_specs = [graph.value(name).spec for name in node.input_names]
         out_specs = [v.spec if v else None for v in node.outputs]
         work = node_work(graph, node)
-        whole = compute_seconds(work, in_specs, out_specs, strategy, cluster.mesh, cluster.device)
-        share = compute_seconds(replace(work, draws_whole=False), in_specs, out_specs, strategy, cluster.mesh, cluster.device)
+        whole = compute_seconds(work, in_specs, out_specs, strategy, plan.mesh, cluster.device)
+        share = compute_seconds(replace(work, draws_whole=False), in_specs, out_specs, strategy, plan.mesh, cluster.device)
         saved += whole - share
     return saved
