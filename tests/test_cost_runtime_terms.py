@@ -121,7 +121,7 @@ def test_torch_fsdp_is_priced_per_unit_as_fsdp2_runs_it_and_sends_the_bytes_the_
         cluster = replace(cluster, device=replace(cluster.device, eager_op_overhead_s=10e-6),
                           axis_links=tuple(replace(link, reduce_scatter_as_all_reduce=True) for link in cluster.axis_links))
         # two units and the root's own parameters; dim 0 padded up to a multiple of the ranks (33 rows -> 36 on 4)
-        units = fsdp_unit_bytes([[(33, 16), (33,)], [(64, 64)], [()]], [[4, 4], [4], [4]], world)
+        units = fsdp_unit_bytes([[((33, 16), 4), ((33,), 4)], [((64, 64), 4)], [((), 4)]], world)
         padded = 4 * (-(-33 // world) * world) * 17
         assert units == [padded, 64 * 64 * 4, world * 4.0]
         link = cluster.link(0)

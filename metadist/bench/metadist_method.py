@@ -237,6 +237,7 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
     two_d = len(ctx.mesh_shape) == 2
     flat = planned.cluster if not two_d else _cluster_over(api["Mesh"]((ctx.world_size,)), ctx, api)
     graph = planned.torch_step.graph
+    units = fsdp_unit_bytes(_fsdp_units(model), ctx.world_size)
     predictions: dict[str, dict[str, Any]] = {}
     for kind, (one_d_name, two_d_name) in PREDICTED_AS.items():
         name = two_d_name if two_d else one_d_name
@@ -245,16 +246,16 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
         except ValueError as err:  # the solver's errors are ValueErrors with a message
             predictions[name] = {"error": str(err)}
             continue
-        layout = _estimate_summary(plan.estimate)
         if kind == "dp":  # torch's DDP is measured: priced as it runs (eager compute, bucketed gradient all-reduces)
-            layout = _estimate_summary(torch_ddp_estimate(graph, flat, plan.estimate, dp_plan=plan)) | {
-                "solver_layout_step_s": layout["step_s"]}
+            priced = torch_ddp_estimate(graph, flat, plan.estimate, dp_plan=plan)
         elif kind in ("zero2", "zero3"):  # torch's FSDP2, one unit per block and the root
-            shapes, sizes = _fsdp_units(model)
-            layout = _estimate_summary(torch_fsdp_estimate(
-                graph, flat, plan.estimate, fsdp_unit_bytes(shapes, sizes, ctx.world_size),
-                reshard_after_forward=kind == "zero3", layout_plan=plan)) | {"solver_layout_step_s": layout["step_s"]}
-        predictions[name] = layout
+            priced = torch_fsdp_estimate(graph, flat, plan.estimate, units, reshard_after_forward=kind == "zero3",
+                                         layout_plan=plan)
+        else:
+            priced = None
+        layout = _estimate_summary(plan.estimate)
+        predictions[name] = layout if priced is None else (
+            _estimate_summary(priced) | {"solver_layout_step_s": layout["step_s"]})
     return predictions
 
 
@@ -265,20 +266,18 @@ def _cluster_over(mesh: Any, ctx: RankContext, api: Mapping[str, Any]) -> Any:
     return api["resolve_cluster"](ctx.cluster, mesh)
 
 
-def _fsdp_units(model: Any) -> tuple[list[list[tuple[int, ...]]], list[list[int]]]:
-    """The parameter shapes and item sizes of each unit the harness's FSDP2 baselines wrap (:func:`.baselines.shard_units`,
-    then the root with every parameter no unit holds), each parameter once."""
+def _fsdp_units(model: Any) -> list[list[tuple[tuple[int, ...], int]]]:
+    """The (shape, item size) of each parameter of each unit the harness's FSDP2 baselines wrap
+    (:func:`.baselines.shard_units`, then the root with every parameter no unit holds), each parameter once."""
     from .baselines import shard_units
 
     seen: set[int] = set()
-    shapes: list[list[tuple[int, ...]]] = []
-    sizes: list[list[int]] = []
+    units = []
     for unit in [*shard_units(model), model]:
         mine = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in mine)
-        shapes.append([tuple(p.shape) for p in mine])
-        sizes.append([p.element_size() for p in mine])
-    return shapes, sizes
+        units.append([(tuple(p.shape), p.element_size()) for p in mine])
+    return units
 
 
 def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:

@@ -137,13 +137,7 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     from ..lowering.coalesce import DEFAULT_BUCKET_CAP_BYTES
 
     cap = float(DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes)
-    device = cluster.device
-    nodes = len(graph.nodes)
-    compute_s = float(dp_estimate["compute_s"])
-    if dp_plan is not None:
-        compute_s -= eager_random_discount(graph, dp_plan, cluster)
-    if device.eager_op_overhead_s > 0:
-        compute_s += nodes * (device.eager_op_overhead_s - device.op_overhead_s)
+    compute_s = _eager_compute_s(graph, cluster, dp_estimate, dp_plan)
     grad_bytes = float(sum(item.value.spec.nbytes for item in graph.inputs if item.role is Role.PARAM))
     world = cluster.mesh.size
     comm_s = comm_bytes = 0.0
@@ -158,22 +152,27 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
             "collectives_by_kind": {"all_reduce": buckets} if buckets else {}, "cluster": cluster.name}
 
 
-def fsdp_unit_bytes(parameter_shapes: Sequence[Sequence[Sequence[int]]], itemsizes: Sequence[Sequence[int]],
-                    world: int) -> list[float]:
+def fsdp_unit_bytes(units: Sequence[Sequence[tuple[Sequence[int], int]]], world: int) -> list[float]:
     """Bytes of each FSDP unit's flat parameter as torch's FSDP2 gathers it over ``world`` ranks: every parameter's
-    dim 0 padded up to a multiple of ``world`` (a 0-d parameter counts as one row). ``parameter_shapes[u]`` and
-    ``itemsizes[u]``: unit ``u``'s parameters (each parameter in one unit only)."""
-    units = []
-    for shapes, sizes in zip(parameter_shapes, itemsizes):
-        total = 0.0
-        for shape, itemsize in zip(shapes, sizes):
-            rows = shape[0] if shape else 1
-            rest = 1
-            for size in shape[1:]:
-                rest *= size
-            total += -(-rows // world) * world * rest * itemsize
-        units.append(total)
-    return units
+    dim 0 padded up to a multiple of ``world`` (a 0-d parameter counts as one row). ``units[u]``: unit ``u``'s
+    parameters as (shape, item size) pairs (each parameter in one unit only)."""
+    def padded(shape: Sequence[int], itemsize: int) -> int:
+        rows = shape[0] if shape else 1
+        return -(-rows // world) * world * math.prod(shape[1:]) * itemsize
+
+    return [float(sum(padded(shape, itemsize) for shape, itemsize in unit)) for unit in units]
+
+
+def _eager_compute_s(graph: Graph, cluster: Cluster, layout_estimate: Any, layout_plan: Plan | None) -> float:
+    """A layout's compute as torch runs it eagerly: at the eager per-node cost instead of the runtime's (where the
+    calibration measured one), each rank drawing only its share of the random ops (with ``layout_plan``)."""
+    device = cluster.device
+    compute_s = float(layout_estimate["compute_s"])
+    if layout_plan is not None:
+        compute_s -= eager_random_discount(graph, layout_plan, cluster)
+    if device.eager_op_overhead_s > 0:
+        compute_s += len(graph.nodes) * (device.eager_op_overhead_s - device.op_overhead_s)
+    return compute_s
 
 
 def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, unit_bytes: Sequence[float],
@@ -191,12 +190,7 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
 
     if cluster.mesh.ndim != 1:
         raise ValueError(f"torch_fsdp_estimate prices FSDP over all ranks on one axis; got mesh {cluster.mesh}")
-    device = cluster.device
-    compute_s = float(layout_estimate["compute_s"])
-    if layout_plan is not None:
-        compute_s -= eager_random_discount(graph, layout_plan, cluster)
-    if device.eager_op_overhead_s > 0:
-        compute_s += len(graph.nodes) * (device.eager_op_overhead_s - device.op_overhead_s)
+    compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan)
     world, link = cluster.mesh.size, cluster.link(0)
     gathers = 2 if reshard_after_forward else 1
     comm_s = comm_bytes = 0.0
