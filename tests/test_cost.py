@@ -225,6 +225,84 @@ def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibrati
         replace(plain, sustained_slowdown=0.5)
 
 
+def _layout_graph():
+    """Matmuls whose operands reach them through views: ``t``, ``transpose``, ``permute``, leading-dim views, copies."""
+    from metadist.ir import Graph, GraphInput, GraphOutput, Literal, MetaOp, Node, Role, Value, ValueRef
+
+    view = frozenset({"view"})
+
+    def node(name, target, shape, *args, tags=frozenset(), **kwargs):
+        return Node(name, MetaOp(target, tags), args, tuple(kwargs.items()), (Value(name, TensorSpec(shape, "bfloat16")),))
+
+    nodes = (
+        node("wt", "aten.t.default", (16, 32), ValueRef("w"), tags=view),  # a linear layer's weight, read transposed
+        node("fwd", "aten.mm.default", (8, 32), ValueRef("x"), ValueRef("wt")),  # nt
+        node("xt", "aten.t.default", (16, 8), ValueRef("x"), tags=view),
+        node("wgrad", "aten.mm.default", (16, 32), ValueRef("xt"), ValueRef("fwd")),  # tn
+        node("wtt", "aten.t.default", (32, 16), ValueRef("wt"), tags=view),  # transposed twice: row-major again
+        node("igrad", "aten.mm.default", (8, 16), ValueRef("fwd"), ValueRef("wtt")),  # nn
+        node("yt", "aten.t.default", (8, 32), ValueRef("y"), tags=view),
+        node("both", "aten.mm.default", (16, 32), ValueRef("xt"), ValueRef("yt")),  # tt: priced row-major
+        # attention's scores: k [2, 4, 8, 16] -> transpose(-2, -1) -> a leading-dim view -> bmm
+        node("kt", "aten.transpose.int", (2, 4, 16, 8), ValueRef("k"), -2, -1, tags=view),
+        node("kt3", "aten.view.default", (8, 16, 8), ValueRef("kt"), (8, 16, 8), tags=view),
+        node("q3", "aten.view.default", (8, 8, 16), ValueRef("k"), (8, 8, 16), tags=view),
+        node("scores", "aten.bmm.default", (8, 8, 8), ValueRef("q3"), ValueRef("kt3")),  # nt
+        # a head permutation keeps the last dim last; a contiguous copy of a transposed view is row-major
+        node("heads", "aten.permute.default", (2, 8, 4, 16), ValueRef("k"), (0, 2, 1, 3), tags=view),
+        node("kc", "aten.clone.default", (2, 4, 16, 8), ValueRef("kt"), memory_format=Literal("memory_format", "contiguous_format")),
+        node("kp", "aten.clone.default", (2, 4, 16, 8), ValueRef("kt")),  # preserve_format: still transposed
+        node("perm", "aten.permute.default", (2, 4, 16, 8), ValueRef("k"), (0, 1, 3, 2), tags=view),
+        node("odd", "aten.permute.default", (2, 16, 8, 4), ValueRef("k"), (0, 3, 2, 1), tags=view),
+    )
+    inputs = (GraphInput(Value("x", TensorSpec((8, 16), "bfloat16")), Role.BATCH),
+              GraphInput(Value("w", TensorSpec((32, 16), "bfloat16")), Role.PARAM, "w"),
+              GraphInput(Value("y", TensorSpec((32, 8), "bfloat16")), Role.BATCH),
+              GraphInput(Value("k", TensorSpec((2, 4, 8, 16), "bfloat16")), Role.BATCH))
+    return Graph(inputs, nodes, (GraphOutput("wgrad", Role.LOSS),), name="layouts")
+
+
+def test_a_matmul_knows_which_operand_reaches_it_transposed():
+    from metadist.cost.compute import _transposed, matmul_layout
+
+    graph = _layout_graph()
+    layouts = {name: node_work(graph, graph.node(name)).layout for name in ("fwd", "wgrad", "igrad", "both", "scores")}
+    assert layouts == {"fwd": "nt", "wgrad": "tn", "igrad": "", "both": "", "scores": "nt"}
+    assert [_transposed(graph, name) for name in ("x", "wt", "wtt", "kt", "kt3", "heads", "kc", "kp", "perm", "odd")] == \
+        [False, True, False, True, True, False, False, True, True, False]
+    assert matmul_layout(graph, "x", "x") == "" and node_work(graph, graph.node("kt")).layout == ""  # a view: no work
+
+
+def test_a_low_precision_matmul_is_priced_on_the_curve_of_its_layout():
+    """A CPU's bfloat16 kernels run a transposed operand several times faster than row-major by row-major: a device
+    with a curve (and a stream rate) measured in the matmul's layout prices it there; without one, row-major's."""
+    from metadist.cost.cluster import Device
+
+    device = Device(peak_flops_per_s=6e10, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9,
+                    matmul_curves={"bfloat16": [(1e6, 1e9), (1e8, 1.3e9)], "bfloat16@nt": [(1e6, 4e9), (1e8, 6e9)],
+                                   "bfloat16@tn": [(1e6, 1.5e10), (1e8, 1.8e10)]},
+                    matmul_stream_bytes_per_s_by_dtype={"bfloat16": 3e7, "bfloat16@nt": 1e9})
+    assert device.flops_per_s("bfloat16", 1e8) == 1.3e9 and device.flops_per_s("bfloat16", 1e8, "") == 1.3e9
+    assert device.flops_per_s("bfloat16", 1e8, "nt") == 6e9 and device.flops_per_s("bfloat16", 1e6, "tn") == 1.5e10
+    assert device.flops_per_s("float32", 1e8, "nt") == 6e10  # no float32 curve at all: its peak
+    assert device.matmul_stream_s("bfloat16", 3e7) == pytest.approx(1.0)
+    assert device.matmul_stream_s("bfloat16", 3e7, "nt") == pytest.approx(0.03)
+    assert device.matmul_stream_s("bfloat16", 3e7, "tn") == pytest.approx(1.0)  # not measured in tn: row-major's
+    graph = _layout_graph()
+    mesh = Mesh((1,))
+    device = replace(device, matmul_stream_bytes_per_s_by_dtype=())  # these tiny matmuls' price: their FLOPs
+    seconds = {}
+    for name in ("fwd", "wgrad", "igrad"):
+        node = graph.node(name)
+        work = node_work(graph, node)
+        specs = [graph.value(value).spec for value in node.input_names]
+        replicated = NodeStrategy(choices=(AxisChoice("replicate"),), inputs=tuple((Replicate(),) for _ in specs),
+                                  outputs=((Replicate(),),))
+        seconds[name] = compute_seconds(work, specs, [node.outputs[0].spec], replicated, mesh, device) / work.flops
+    # per FLOP: the weight's gradient (tn) cheapest, the input's (row-major) dearest
+    assert seconds["wgrad"] < seconds["fwd"] < seconds["igrad"]
+
+
 def test_a_skinny_matmul_takes_its_large_operand_at_the_stream_rate():
     from metadist.cost.cluster import Device
 
@@ -351,11 +429,13 @@ def test_calibrate_measures_gloo_on_two_processes():
         assert device.bandwidth_bytes_per_s(dtype) == pytest.approx(report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] / slowdown)
         assert device.flops_per_s(dtype) > 0 and device.bandwidth_bytes_per_s(dtype) > 0
     assert Cluster.from_dict(json.loads(cluster.to_json())) == cluster
-    for kind in (device.matmul_curves, device.elementwise_curves):  # a curve per dtype, every point measured
-        assert {dtype for dtype, _ in kind} == {"float32", "bfloat16", "float16"}
+    # a curve per dtype, every point measured; the narrow dtypes' matmuls also in either transposed layout (version 10)
+    layouts = {"bfloat16@nt", "bfloat16@tn", "float16@nt", "float16@tn"}
+    for kind, names in ((device.matmul_curves, layouts), (device.elementwise_curves, set())):
+        assert {dtype for dtype, _ in kind} == {"float32", "bfloat16", "float16"} | names
         assert all(len(points) >= 1 and all(rate > 0 for _, rate in points) for _, points in kind)
-    # and the rate a few-row matmul passes over its large operand, per dtype (version 4)
-    assert {dtype for dtype, _ in device.matmul_stream_bytes_per_s_by_dtype} == {"float32", "bfloat16", "float16"}
+    # and the rate a few-row matmul passes over its large operand, per dtype (version 4) and narrow layout (10)
+    assert {dtype for dtype, _ in device.matmul_stream_bytes_per_s_by_dtype} == {"float32", "bfloat16", "float16"} | layouts
     assert device.matmul_stream_s("float32", 1.0) == pytest.approx(slowdown / report["device"]["matmul_stream_bytes_per_s"])
     # and the seconds per element of the ops that compute more than they move (version 5)
     from metadist.cost.calibrate_worker import _element_ops

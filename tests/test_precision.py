@@ -106,6 +106,21 @@ def test_bf16_capture_keeps_float32_master_weights_and_matches_the_eager_policy(
     assert all(optimizer.state[p]["exp_avg"].dtype == torch.float32 for p in model.parameters())
 
 
+def test_a_captured_linear_layer_reads_its_weight_transposed_forward_and_its_input_transposed_for_the_weight_grad():
+    """The layouts the cost model prices bfloat16 matmuls by (``Work.layout``), on torch's own trace of two linear
+    layers: each forward matmul reads its weight transposed (nt), each weight's gradient the activations (tn), the
+    input's gradient both row-major. The first layer's input needs no gradient: 2 + 2 + 1 matmuls."""
+    from collections import Counter
+
+    from metadist.cost.compute import node_work
+
+    model = Tiny()
+    captured = capture_step(plain_step, model, torch.optim.SGD(model.parameters(), lr=1e-2), _batch(), precision="bf16")
+    graph = captured.graph
+    layouts = Counter(work.layout for work in (node_work(graph, node) for node in graph.nodes) if work.operands)
+    assert layouts == Counter({"nt": 2, "tn": 2, "": 1})
+
+
 def test_grad_scaler_is_captured_with_inf_steps_skipped_as_eager_skips_them():
     model, batch = Tiny(), _batch()
     eager_model = copy.deepcopy(model)

@@ -258,7 +258,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 9
+CALIBRATION_VERSION = 10
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -268,7 +268,8 @@ and the in-step all-reduce timed on groups smaller than all the processes too (a
 :func:`cluster_over_mesh`); 8: the same figures, measured again because the compiled step's per-node cost
 fell (its first run takes out idle layout calls and calls ops through their Python bindings); 9: the elementwise curve
 also past the last-level cache (8M elements), and seconds per element of layer norm, ``_safe_softmax`` and the random
-draws (``bernoulli``, ``rand``, ``randn``). A cache
+draws (``bernoulli``, ``rand``, ``randn``); 10: bfloat16 and float16 matmuls also with either operand transposed
+(``matmul_curve:DTYPE@nt``, ``@tn``: a CPU's low-precision kernels run those layouts several times faster). A cache
 of an older version is measured again, not read."""
 
 

@@ -107,6 +107,13 @@ MATMUL_SIZES = (64, 128, 256, 512)
 """Square matmul widths of the FLOP/s curve: a CPU's bfloat16 kernels run at a quarter of float32's rate at 64 and
 three times it at 512, so one figure cannot price both a tiny model and a large one."""
 
+MATMUL_LAYOUTS = ("nt", "tn")
+"""The operand layouts measured besides row-major by row-major, for :data:`NARROW_DTYPES` only: a matmul with its
+second operand transposed (``nt``, a linear layer's forward) or its first (``tn``, a weight's gradient). On this
+project's machine (one thread, 512-wide) bfloat16 ran at 1.3 GFLOP/s row-major, 5.6 ``nt`` and 18 ``tn``, float16 at
+1.3, 9.0 and 4.3; float32 at 61-67 in every layout, so its one curve prices them all. Both operands transposed ran
+at the row-major rate (1.3-1.4) and is priced on its curve."""
+
 STREAM_ROWS, STREAM_WIDTH = 8, 2048
 """The matmul whose rate prices a pass over a large operand (``matmul_stream_bytes_per_s``): 8 rows against a
 2048 x 2048 operand. A CPU's kernels pack the large operand at a rate of their own: on this project's 2-core machine a
@@ -178,7 +185,8 @@ def _roofline(device: torch.device) -> dict[str, float]:
     a single element), which ``op_overhead_s`` prices; the largest size's figures are the dtype's peaks
     (``peak_flops_per_s``, ``memory_bandwidth_bytes_per_s``, with ``_DTYPE`` for the narrow ones); and the bytes/s at
     which a matmul of few rows passes over its large operand (``matmul_stream_bytes_per_s``, :func:`_matmul_stream`);
-    and the seconds per element of the ops that compute more than they move (``op_element_s:OP``,
+    for the narrow dtypes, the same matmul figures in each of :data:`MATMUL_LAYOUTS` (``matmul_curve:DTYPE@LAYOUT:FLOPS``,
+    ``matmul_stream_bytes_per_s_DTYPE@LAYOUT``); and the seconds per element of the ops that compute more than they move (``op_element_s:OP``,
     :func:`_element_seconds`).
     """
     figures: dict[str, float] = {}
@@ -190,6 +198,10 @@ def _roofline(device: torch.device) -> dict[str, float]:
         for nbytes, rate in _elementwise_curve(device, dtype):
             figures[f"elementwise_curve:{name}:{nbytes}"] = figures[f"memory_bandwidth_bytes_per_s{suffix}"] = rate
         figures[f"matmul_stream_bytes_per_s{suffix}"] = _matmul_stream(device, dtype)
+        for layout in MATMUL_LAYOUTS if dtype in NARROW_DTYPES else ():
+            for flops, rate in _matmul_curve(device, dtype, layout):
+                figures[f"matmul_curve:{name}@{layout}:{flops}"] = rate
+            figures[f"matmul_stream_bytes_per_s_{name}@{layout}"] = _matmul_stream(device, dtype, layout)
     chain = _tiny_op_chain(400)  # a GraphModule of aten ops, as a captured step's rank program runs them
     tiny = torch.ones(8, device=device)
     sync = _synchronizer(device)
@@ -229,11 +241,19 @@ def _net_rate(work: float, seconds: float, floor: float) -> float:
     return work / max(seconds - floor, 0.1 * seconds)
 
 
-def _matmul_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[int, float]]:
+def _operand(rows: int, columns: int, device: torch.device, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """A ``[rows, columns]`` operand of random values, row-major, or the transposed view of a row-major one."""
+    if transposed:
+        return torch.randn(columns, rows, device=device).to(dtype).t()
+    return torch.randn(rows, columns, device=device).to(dtype)
+
+
+def _matmul_curve(device: torch.device, dtype: torch.dtype, layout: str = "") -> list[tuple[int, float]]:
     """(FLOPs of one matmul, FLOP/s) at each of :data:`MATMUL_SIZES`, up to the first that takes over 50 ms (a CPU
-    without float16 kernels runs them at a few GFLOP/s)."""
+    without float16 kernels runs them at a few GFLOP/s); ``layout`` ``"nt"`` or ``"tn"``: the second or the first
+    operand a transposed view (:data:`MATMUL_LAYOUTS`)."""
     def operands(n: int):
-        return torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+        return (_operand(n, n, device, dtype, layout == "tn"), _operand(n, n, device, dtype, layout == "nt"))
 
     a, b = operands(1)
     floor = _per_call_seconds(lambda: torch.mm(a, b), device)
@@ -254,11 +274,12 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def _matmul_stream(device: torch.device, dtype: torch.dtype) -> float:
+def _matmul_stream(device: torch.device, dtype: torch.dtype, layout: str = "") -> float:
     """Bytes/s of the large operand of a :data:`STREAM_ROWS`-row matmul (:data:`STREAM_WIDTH` wide): the least time
-    any matmul takes per byte of its larger operand, whatever its FLOPs (a skinny matmul's price)."""
-    a = torch.randn(STREAM_ROWS, STREAM_WIDTH, device=device).to(dtype)
-    b = torch.randn(STREAM_WIDTH, STREAM_WIDTH, device=device).to(dtype)
+    any matmul takes per byte of its larger operand, whatever its FLOPs (a skinny matmul's price); ``layout`` as in
+    :func:`_matmul_curve`."""
+    a = _operand(STREAM_ROWS, STREAM_WIDTH, device, dtype, layout == "tn")
+    b = _operand(STREAM_WIDTH, STREAM_WIDTH, device, dtype, layout == "nt")
     return b.numel() * b.element_size() / _per_call_seconds(lambda: torch.mm(a, b), device)
 
 

@@ -115,7 +115,10 @@ class Device:
     """Measured matmul throughput by size, per dtype: (MetaIR dtype, ((FLOPs of one matmul, FLOP/s), ...)), sizes
     ascending (``metadist calibrate`` on CPUs: a 64-wide bfloat16 matmul runs at a quarter of float32's rate, a
     512-wide one at three times it). A node is priced at the rate its local FLOPs fall at, interpolated over the
-    logarithm of the size and held at the ends; a dtype without a curve runs at its peak."""
+    logarithm of the size and held at the ends; a dtype without a curve runs at its peak. A name ``DTYPE@nt`` or
+    ``DTYPE@tn`` holds the curve of matmuls with their second or first operand transposed (measured for bfloat16 and
+    float16 on CPUs, whose kernels run those layouts 3-15x faster than row-major by row-major; see
+    :func:`~.compute.matmul_layout`)."""
     elementwise_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     """Measured elementwise bytes/s by the bytes one op moves, per dtype, as ``matmul_curves``, capped at the
     largest size's rate (see :meth:`bandwidth_bytes_per_s`)."""
@@ -124,7 +127,8 @@ class Device:
     pairs (``metadist calibrate`` on CPUs: its kernels pack that operand at about 2 GB/s in float32 on this project's
     2-core machine, a tenth of the elementwise rate). A matmul takes at least its larger operand's local bytes at this
     rate (:meth:`matmul_stream_s`): a skinny one (few tokens per expert, a small local batch) is priced by it, a
-    square one by its FLOPs. A dtype not listed has no such floor."""
+    square one by its FLOPs. A dtype not listed has no such floor. ``DTYPE@nt`` and ``DTYPE@tn`` name the rates of
+    those layouts, as in :attr:`matmul_curves`."""
     op_overhead_s: float = 0.0
     """Fixed cost of running one op, whatever its size (dispatch and launch: a few microseconds per op on a
     CPU process, measured by ``metadist calibrate``); every node of the step pays it, views included."""
@@ -149,6 +153,7 @@ class Device:
         bandwidths = _dtype_pairs(self.memory_bandwidth_bytes_per_s_by_dtype)
         streams = _dtype_pairs(self.matmul_stream_bytes_per_s_by_dtype)
         object.__setattr__(self, "matmul_stream_bytes_per_s_by_dtype", streams)
+        object.__setattr__(self, "_streams", dict(streams))
         object.__setattr__(self, "peak_flops_per_s_by_dtype", pairs)
         object.__setattr__(self, "memory_bandwidth_bytes_per_s_by_dtype", bandwidths)
         object.__setattr__(self, "unsupported_dtypes", tuple(self.unsupported_dtypes))
@@ -167,11 +172,15 @@ class Device:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "
                                f"slowdown >= 1), got {self}")
 
-    def flops_per_s(self, dtype: str, flops: float | None = None) -> float:
+    def flops_per_s(self, dtype: str, flops: float | None = None, layout: str = "") -> float:
         """FLOP/s of work in ``dtype`` (a MetaIR dtype name): at ``flops`` on the dtype's measured curve, if it has
-        one and ``flops`` is given, else its peak."""
+        one and ``flops`` is given, else its peak. ``layout`` (a matmul's, :func:`~.compute.matmul_layout`: ``"nt"``
+        or ``"tn"``) takes the curve measured in that layout (``DTYPE@LAYOUT`` in ``matmul_curves``) where there is
+        one, else the dtype's row-major one."""
         if flops is not None and self.matmul_curves:
-            rate = self._on_curve("matmul", self.matmul_curves, dtype, flops)
+            rate = self._on_curve("matmul", self.matmul_curves, f"{dtype}@{layout}", flops) if layout else None
+            if rate is None:
+                rate = self._on_curve("matmul", self.matmul_curves, dtype, flops)
             if rate is not None:
                 return rate
         for name, peak in self.peak_flops_per_s_by_dtype:
@@ -201,13 +210,14 @@ class Device:
         """Measured seconds per output element of ``op`` (an :func:`~.compute.op_name`); 0 when not measured."""
         return self._element_seconds.get(op, 0.0)
 
-    def matmul_stream_s(self, dtype: str, operand_bytes: float) -> float:
+    def matmul_stream_s(self, dtype: str, operand_bytes: float, layout: str = "") -> float:
         """The least seconds a matmul in ``dtype`` whose larger operand holds ``operand_bytes`` (locally) takes: that
-        operand passed over at ``matmul_stream_bytes_per_s_by_dtype``'s rate (0 where the dtype has none)."""
-        for name, rate in self.matmul_stream_bytes_per_s_by_dtype:
-            if name == dtype:
-                return operand_bytes / rate
-        return 0.0
+        operand passed over at ``matmul_stream_bytes_per_s_by_dtype``'s rate (0 where the dtype has none); in
+        ``layout`` (``"nt"``, ``"tn"``) at the rate measured in it (``DTYPE@LAYOUT``) where there is one."""
+        rates = self._streams  # type: ignore[attr-defined]
+        rate = rates.get(f"{dtype}@{layout}") if layout else None
+        rate = rate if rate is not None else rates.get(dtype)
+        return 0.0 if rate is None else operand_bytes / rate
 
     def _on_curve(self, kind: str, curves, dtype: str, size: float, capped: bool = False) -> float | None:
         """The rate at ``size`` on ``dtype``'s curve of ``curves`` (None without one), ``capped`` at its largest

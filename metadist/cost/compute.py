@@ -61,6 +61,11 @@ class Work:
     op: str = ""
     """The op's name (:func:`op_name`): a device that measured this op's seconds per output element
     (:meth:`~.cluster.Device.element_seconds`) prices the node at least at that rate."""
+    layout: str = ""
+    """A matmul's operand layout (:func:`matmul_layout`): ``"nt"`` (its second operand a transposed view, as a
+    linear layer's forward reads its weight), ``"tn"`` (its first, as a weight's gradient reads the activations) or
+    ``""`` (both row-major, or both transposed, or not known). A device prices it on the curve measured in that
+    layout where it has one (:meth:`~.cluster.Device.flops_per_s`)."""
 
 
 def _prod(values: Sequence[int]) -> int:
@@ -130,10 +135,93 @@ def node_work(graph: Graph, node: Node) -> Work:
     if formula is not None and outs:
         operands = _OPERANDS.get(name)
         try:
-            return Work(flops=formula(ins, outs), operands=operands if operands and operands[1] < len(ins) else None, op=name)
+            flops = formula(ins, outs)
+            if not (operands and operands[1] < len(ins)):
+                return Work(flops=flops, op=name)
+            return Work(flops=flops, operands=operands, op=name,
+                        layout=matmul_layout(graph, node.input_names[operands[0]], node.input_names[operands[1]]))
         except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
             pass
     return Work(flops=float(sum(_prod(shape) for shape in outs)), op=name)
+
+
+#: Views that keep the last dim last (a row-major tensor stays row-major, a transposed one transposed): reshaping or
+#: expanding the leading dims, slicing, aliasing. A view of a transposed tensor cannot regroup its last two dims.
+_LAYOUT_KEEPING_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "expand", "alias", "unsqueeze", "squeeze", "slice", "select", "narrow", "split",
+    "split_with_sizes", "unbind", "detach", "lift_fresh", "_reshape_alias",
+})
+
+#: Copies that keep their input's strides unless told a memory format (``memory_format=torch.preserve_format``).
+_LAYOUT_PRESERVING_COPIES = frozenset({"clone", "_to_copy"})
+
+
+def matmul_layout(graph: Graph, first: str, second: str) -> str:
+    """``"nt"``, ``"tn"`` or ``""``: which of a matmul's two operands reaches it as a transposed view.
+
+    A CPU's low-precision kernels run at rates an order of magnitude apart by layout (bfloat16 on this project's
+    machine, single thread, 512-wide: 1.3 GFLOP/s row-major by row-major, 5.6 with the second operand transposed, 18
+    with the first; float32 at 61-67 in every layout). A linear layer's forward reads its weight transposed
+    (``t`` then ``mm``), its weight's gradient reads the activations transposed, its input's gradient reads both
+    row-major. Both transposed (``"tt"``) ran at the row-major rate and is priced so (``""``).
+    """
+    flags = (_transposed(graph, first), _transposed(graph, second))
+    return {(False, True): "nt", (True, False): "tn"}.get(flags, "")
+
+
+def _transposed(graph: Graph, value: str) -> bool:
+    """Whether ``value`` is a view whose last two dims are swapped against its row-major base: walked back through
+    the views (and stride-preserving copies) that made it to a value some op wrote (row-major, as the runtime's
+    kernels write) or a graph input (row-major, as a parameter or batch is); a transposition of the last two dims
+    flips the answer. Any other regrouping of the last dims (a permutation moving another dim last, a strided view)
+    ends the walk: such an operand is priced as row-major."""
+    flipped = False
+    for _ in range(64):  # a chain of views is short; the bound only guards a malformed graph
+        node = graph.producer(value)
+        if node is None or not node.input_names:
+            return flipped
+        name = op_name(node.op.target)
+        if name in _LAYOUT_PRESERVING_COPIES:
+            memory_format = dict(node.kwargs).get("memory_format")
+            if memory_format is not None and getattr(memory_format, "value", None) != "preserve_format":
+                return flipped  # contiguous_format or channels_last: written row-major in its last dim
+        elif not node.op.is_view:
+            return flipped
+        elif name not in _LAYOUT_KEEPING_VIEWS:
+            swap = _swaps_last_two(graph, node, name)
+            if swap is None:
+                return flipped
+            flipped ^= swap
+        value = node.input_names[0]
+    return flipped
+
+
+def _swaps_last_two(graph: Graph, node: Node, name: str) -> bool | None:
+    """For ``t``, ``transpose`` and ``permute``: True when the view swaps its input's last two dims, False when it
+    keeps the last dim last and the one before it, None when it moves another dim into one of them (or another view)."""
+    rank = graph.value(node.input_names[0]).spec.rank
+    if rank < 2:
+        return False
+    last = {rank - 2, rank - 1}
+    if name in ("t", "transpose"):
+        if name == "t":
+            return True
+        dims = [arg for arg in node.args[1:3] if isinstance(arg, int)]
+        if len(dims) != 2:
+            return None
+        moved = {dim % rank for dim in dims}
+        if moved == last:
+            return True
+        return False if not moved & last else None
+    if name == "permute":
+        dims = next((arg for arg in node.args[1:] if isinstance(arg, tuple)), None)
+        if dims is None or len(dims) != rank:
+            return None
+        tail = tuple(dim % rank for dim in dims[-2:])
+        if tail == (rank - 2, rank - 1):
+            return False
+        return True if tail == (rank - 1, rank - 2) else None
+    return None
 
 
 def split_degree(strategy: NodeStrategy, mesh: Mesh) -> int:
@@ -202,10 +290,10 @@ def compute_seconds(
         if spec is not None and sharding is not None
     )
     dtype = compute_dtype(input_specs, output_specs)
-    roofline = max(flops / device.flops_per_s(dtype, _rate_flops(work, flops, output_specs, strategy, mesh)),
+    roofline = max(flops / device.flops_per_s(dtype, _rate_flops(work, flops, output_specs, strategy, mesh), work.layout),
                    memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:
-        roofline = max(roofline, device.matmul_stream_s(dtype, max(input_bytes[i] for i in work.operands)))
+        roofline = max(roofline, device.matmul_stream_s(dtype, max(input_bytes[i] for i in work.operands), work.layout))
     per_element = device.element_seconds(work.op) if work.op else 0.0
     if per_element:  # an op whose kernel computes more than it moves (exp, tanh, softmax): its measured rate
         roofline = max(roofline, per_element * sum(
