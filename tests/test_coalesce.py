@@ -264,3 +264,30 @@ def test_the_cost_model_prices_the_runtimes_bucket():
     from metadist.lowering import DEFAULT_BUCKET_CAP_BYTES as run
 
     assert priced == run
+
+
+def test_a_lowered_program_is_priced_one_call_per_bucket():
+    """``program_comm`` prices what the program runs: the three gradients' bucket is one all-reduce paying one fixed
+    cost and the three gradients' bytes; lowered without coalescing, three calls. Bytes and calls equal the
+    program's own count (``predicted_comm``), which the runs measure."""
+    from metadist.cost import cluster_for
+    from metadist.cost.comm import priced_collective, program_comm
+
+    graph = _grads_graph(3, size=1024)
+    mesh = Mesh((2,))
+    cluster = cluster_for("cpu-gloo", mesh)
+    link = cluster.link(0)
+    coalesced = lower(graph, _grads_plan(graph, mesh), (0,))
+    separate = lower(graph, _grads_plan(graph, mesh), (0,), bucket_cap_bytes=0)
+    priced = {name: program_comm(program, cluster) for name, program in (("coalesced", coalesced), ("separate", separate))}
+    one, sent = priced_collective("all_reduce", 3 * 4096, 2, link)
+    alone = priced_collective("all_reduce", 4096, 2, link)[0]
+    assert priced["coalesced"] == {"comm_s_by_axis": {"axis0": pytest.approx(one)}, "comm_bytes_by_axis": {"axis0": sent},
+                                   "collectives_by_kind": {"all_reduce": 1}}
+    assert priced["separate"]["comm_s_by_axis"]["axis0"] == pytest.approx(3 * alone)
+    assert priced["separate"]["collectives_by_kind"] == {"all_reduce": 3}
+    assert 3 * alone - one == pytest.approx(2 * (alone - priced_collective("all_reduce", 4096, 2, link, fixed_share=0.0)[0]))
+    for name, program in (("coalesced", coalesced), ("separate", separate)):
+        (calls, ring_bytes), = program.predicted_comm().values()
+        assert priced[name]["collectives_by_kind"]["all_reduce"] == calls
+        assert priced[name]["comm_bytes_by_axis"]["axis0"] == priced_collective("all_reduce", ring_bytes, 2, link)[1]

@@ -165,7 +165,8 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     prepared = Prepared(method, step=step, holders=(state, compiled, device_mesh), mesh_shape=tuple(ctx.mesh_shape),
                         build=build, note=expert_placement_note(planned.torch_step.graph, plan).lstrip("; "))
     device = planned.cluster.device
-    predicted = {**_estimate_summary(plan.estimate), "nodes": len(planned.torch_step.graph.nodes),
+    predicted = {**_program_estimate(plan.estimate, compiled.program, planned.cluster),
+                 "nodes": len(planned.torch_step.graph.nodes),
                  "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
     routing = planned.torch_step.graph.routing
     if routing:  # the static experts' extra rows: what a baseline running the library's own experts does not compute
@@ -278,6 +279,20 @@ def _fsdp_units(model: Any) -> list[list[tuple[tuple[int, ...], int]]]:
         seen.update(id(p) for p in mine)
         units.append([(tuple(p.shape), p.element_size()) for p in mine])
     return units
+
+
+def _program_estimate(estimate: Mapping[str, Any], program: Any, cluster: Any) -> dict[str, Any]:
+    """The plan's step as its lowered rank program runs it: the solver's compute, and the program's collective calls
+    each priced once (:func:`metadist.cost.comm.program_comm`: a bucket pays one call's fixed cost, where the solver
+    shares it by an estimate); the solver's own figure kept as ``solver_step_s``."""
+    from ..cost.comm import program_comm
+
+    summary = _estimate_summary(estimate)
+    comm = program_comm(program, cluster)
+    comm_s = sum(comm["comm_s_by_axis"].values())
+    return summary | {"step_s": summary["compute_s"] + comm_s, "comm_s": comm_s,
+                      "comm_bytes": float(sum(comm["comm_bytes_by_axis"].values())),
+                      "collectives_by_kind": comm["collectives_by_kind"], "solver_step_s": summary["step_s"]}
 
 
 def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:
