@@ -258,7 +258,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 10
+CALIBRATION_VERSION = 11
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -269,7 +269,9 @@ and the in-step all-reduce timed on groups smaller than all the processes too (a
 fell (its first run takes out idle layout calls and calls ops through their Python bindings); 9: the elementwise curve
 also past the last-level cache (8M elements), and seconds per element of layer norm, ``_safe_softmax`` and the random
 draws (``bernoulli``, ``rand``, ``randn``); 10: bfloat16 and float16 matmuls also with either operand transposed
-(``matmul_curve:DTYPE@nt``, ``@tn``: a CPU's low-precision kernels run those layouts several times faster). A cache
+(``matmul_curve:DTYPE@nt``, ``@tn``: a CPU's low-precision kernels run those layouts several times faster); 11: the
+runtime's captured and eager calibration steps timed one process at a time (their per-node figures swung 2-7x between
+calibrations on 4 processes sharing 2 cores). A cache
 of an older version is measured again, not read."""
 
 

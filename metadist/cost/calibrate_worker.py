@@ -408,7 +408,12 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
       nodes' rooflines at this rank's measured rates; what the step takes beyond the rooflines is the runtime's
       fixed cost of its nodes (dispatch, dtype casts of scalar operands, copies into the capture's layouts).
       ``eager_step_s``: the same step run eagerly by torch (fused optimizer kernels, Python-float scalars), what
-      a baseline that runs the model itself (torch DDP, FSDP) pays for the same nodes.
+      a baseline that runs the model itself (torch DDP, FSDP) pays for the same nodes. Both are timed one rank at
+      a time while the others wait: a step of 1-4 ms is about a scheduler turn, so timed with every rank computing
+      a sample's time depended on whether it was descheduled (on 4 ranks sharing 2 cores, three calibrations in a
+      row put MetaDist's runtime at 13.0, 10.9 and 23.5 us a node, one in the bench 76), and the sustained slowdown
+      was then applied on top of samples that had already seen the contention. Alone, the figures are a rank's on a
+      free core, as the other short calls' are, and the contention is applied once, by the slowdown.
     - ``compute_phase_s``, ``in_step_collective_s``: a phase of tiny ops alone, and the same phase followed by a
       4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
       for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
@@ -440,11 +445,15 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
     for _ in range(3):
         _calibration_step(eager_model, eager_optimizer, batch)
-    dist.barrier()
     captured, eager = [], []
-    for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
-        captured.append(median_seconds(lambda: step(model, optimizer, batch), 1))
-        eager.append(median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), 1))
+    for turn in range(world):  # one rank at a time: see the docstring
+        dist.barrier()
+        if dist.get_rank() != turn:
+            continue
+        for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+            captured.append(median_seconds(lambda: step(model, optimizer, batch), 1))
+            eager.append(median_seconds(lambda: _calibration_step(eager_model, eager_optimizer, batch), 1))
+    dist.barrier()
     step_s, eager_s = statistics.median(captured), statistics.median(eager)
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown()}
