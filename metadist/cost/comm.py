@@ -258,26 +258,14 @@ def program_comm(program, cluster: Cluster) -> dict:
     ``comm_s_by_axis``, ``comm_bytes_by_axis`` (by mesh axis name) and ``collectives_by_kind`` (calls), as the
     solver's estimate does.
     """
-    from ..lowering.program import CoalescedReshard, Reshard
-    from ..lowering.reshard import COLLECTIVE_KINDS
-
     names = cluster.mesh.axis_names
     seconds = {name: 0.0 for name in names}
     sent_bytes = {name: 0.0 for name in names}
     calls: dict[str, int] = {}
-
-    def call(kind: str, axis: int, ring_bytes: float) -> None:
+    for kind, axis, ring_bytes in program.collective_calls():
         priced_kind = "all_gather" if kind == "halo_exchange" else kind
         step_s, sent = priced_collective(priced_kind, ring_bytes, cluster.mesh.shape[axis], cluster.link(axis))
         seconds[names[axis]] += step_s
         sent_bytes[names[axis]] += sent
         calls[kind] = calls.get(kind, 0) + 1
-
-    for item in program.instructions:
-        if isinstance(item, CoalescedReshard):
-            call(item.kind, item.axis, item.comm_bytes)
-        elif isinstance(item, Reshard):
-            for step in item.steps:
-                if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
-                    call(step.kind, step.axis, step.comm_bytes)
     return {"comm_s_by_axis": seconds, "comm_bytes_by_axis": sent_bytes, "collectives_by_kind": dict(sorted(calls.items()))}

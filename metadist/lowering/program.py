@@ -20,7 +20,7 @@ draw) and keep the rank's slice: see :class:`RandomDraw`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 from ..ir import Graph, Mesh, Node, Partial, Replicate, Role, Shard, TensorSpec, ValueRef, format_sharding
 from ..ir.plan import Plan
@@ -199,24 +199,27 @@ class RankProgram:
                 result.extend(item.members)
         return tuple(result)
 
-    def predicted_comm(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """Per (collective kind, mesh axis): (number of collective calls, bytes this rank sends).
+    def collective_calls(self) -> Iterator[tuple[str, int, int]]:
+        """(collective kind, mesh axis, bytes this rank sends) of each collective call, in program order.
 
-        A coalesced reshard is one call; its bytes are its members' (each by the ring convention).
+        A coalesced reshard is one call; its bytes are its members' (each by the ring convention). A halo exchange
+        is a call of kind ``halo_exchange``.
         """
-        totals: dict[tuple[str, int], tuple[int, int]] = {}
-
-        def add(kind: str, axis: int, nbytes: int) -> None:
-            count, total = totals.get((kind, axis), (0, 0))
-            totals[(kind, axis)] = (count + 1, total + nbytes)
-
         for item in self.instructions:
             if isinstance(item, CoalescedReshard):
-                add(item.kind, item.axis, item.comm_bytes)
+                yield item.kind, item.axis, item.comm_bytes
             elif isinstance(item, Reshard):
                 for step in item.steps:
                     if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
-                        add(step.kind, step.axis, step.comm_bytes)
+                        yield step.kind, step.axis, step.comm_bytes
+
+    def predicted_comm(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """Per (collective kind, mesh axis): (number of collective calls, bytes this rank sends), over
+        :meth:`collective_calls`."""
+        totals: dict[tuple[str, int], tuple[int, int]] = {}
+        for kind, axis, nbytes in self.collective_calls():
+            count, total = totals.get((kind, axis), (0, 0))
+            totals[(kind, axis)] = (count + 1, total + nbytes)
         return totals
 
     def to_text(self) -> str:
