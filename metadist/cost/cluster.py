@@ -160,7 +160,7 @@ class Device:
         matmul, elementwise = _curves(self.matmul_curves), _curves(self.elementwise_curves)
         object.__setattr__(self, "matmul_curves", matmul)
         object.__setattr__(self, "elementwise_curves", elementwise)
-        object.__setattr__(self, "_rates", {})  # (curve kind, dtype, size) -> rate: compute_seconds asks often
+        object.__setattr__(self, "_rates", {})  # (curve kind, dtype, size) -> rate or None: compute_seconds asks often
         elements = _dtype_pairs(self.op_element_seconds)
         object.__setattr__(self, "op_element_seconds", elements)
         object.__setattr__(self, "_element_seconds", dict(elements))
@@ -221,15 +221,17 @@ class Device:
 
     def _on_curve(self, kind: str, curves, dtype: str, size: float, capped: bool = False) -> float | None:
         """The rate at ``size`` on ``dtype``'s curve of ``curves`` (None without one), ``capped`` at its largest
-        size's rate; remembered, as the solver asks for the same few sizes many times."""
+        size's rate; remembered, as the solver asks for the same few sizes many times (a miss too: every float32
+        matmul in a transposed layout asks for a ``float32@LAYOUT`` curve no device measures)."""
         key = (kind, dtype, size)
-        rate = self._rates.get(key)
-        if rate is None:
-            points = next((points for name, points in curves if name == dtype), None)
-            if points is None:
-                return None
+        if key in self._rates:
+            return self._rates[key]
+        points = next((points for name, points in curves if name == dtype), None)
+        rate = None
+        if points is not None:
             rate = interpolate_curve(points, size)
-            self._rates[key] = rate = min(rate, points[-1][1]) if capped else rate
+            rate = min(rate, points[-1][1]) if capped else rate
+        self._rates[key] = rate
         return rate
 
     def supports(self, dtype: str) -> bool:
