@@ -61,3 +61,26 @@ print(heap, int(first == second))
         results[mode] = tuple(int(part) for part in done.stdout.split())
     assert results["keep"] == (1, 1)  # from the heap; the freed block reused
     assert results["system"][0] == 0  # glibc's default: a mapping of its own, unmapped when freed
+
+
+@pytest.mark.skipif(not _is_glibc(), reason="mallopt's parameters are glibc's")
+def test_the_bench_runs_every_method_with_the_same_host_heap():
+    """The harness sets the host heap for its process before the first method is built (a compiled step sets it when
+    it is built, so the methods timed alone before it ran with other allocator settings), records it with the machine,
+    and leaves it alone under METADIST_HOST_HEAP=system."""
+    script = """
+import sys, types, torch
+from metadist.bench import harness
+assert harness.machine_info()["host_heap"] == "system"  # nothing set yet
+harness.same_host_heap(types.SimpleNamespace(device=torch.device("cpu")))
+print(harness.machine_info()["host_heap"])
+"""
+    import os
+
+    found = {}
+    for mode in ("keep", "system"):
+        env = {**os.environ, HOST_HEAP_ENV: mode}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        found[mode] = done.stdout.split()[-1]
+    assert found == {"keep": "kept", "system": "system"}

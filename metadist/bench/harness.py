@@ -19,8 +19,10 @@ drifts over minutes (a shared CPU, a GPU's clocks) then slows every method alike
 other, a drift between two methods' turns showed as a 10-20 % difference between runs of the same code. The methods
 are alive together, so the run needs the memory of all of them at once, except those named by ``--timed-alone``
 (the one-device reference by default, :data:`TIMED_ALONE`), each timed on its own first. The methods share their
-processes: once MetaDist's step is built, glibc keeps freed host memory (``METADIST_HOST_HEAP``) for the baselines'
-timed steps too. ``--timing sequential`` times each method right after its build and frees it before the next.
+processes, and on CPU every method runs with glibc keeping freed host memory for reuse (``METADIST_HOST_HEAP``, set
+for the process before the first method is built, as a compiled step sets it): the methods timed alone first too,
+which ran without it before and touched fresh pages after every free. ``--timing sequential`` times each method
+right after its build and frees it before the next.
 
 Every method runs ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
 global batch, so their final losses must agree with the single-device one (relative tolerance
@@ -372,9 +374,28 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.machine(),
         "cuda": torch.cuda.is_available(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-        "load_average_1min": os.getloadavg()[0],
+        "load_average_1min": os.getloadavg()[0], "host_heap": _host_heap(),
     }
     return info
+
+
+def _host_heap() -> str:
+    """Whether the C library keeps freed host memory in this process: ``kept`` or ``system``."""
+    from ..runtime import host_memory
+
+    return "kept" if host_memory.keeps_freed_host_memory() else "system"
+
+
+def same_host_heap(ctx: RankContext) -> None:
+    """On CPU, the C library keeps freed host memory for every method of the run (:mod:`metadist.runtime.host_memory`),
+    unless ``METADIST_HOST_HEAP=system``: a compiled step sets this for its process when it is built, so without it here
+    the methods measured before MetaDist's build (those timed alone) would run with other allocator settings than
+    those measured after it."""
+    from ..config import settings_from_env
+    from ..runtime.host_memory import keep_freed_host_memory
+
+    if ctx.device.type == "cpu" and settings_from_env().keeps_host_memory:
+        keep_freed_host_memory()
 
 
 def versions() -> dict[str, str]:
@@ -389,6 +410,7 @@ def versions() -> dict[str, str]:
 def run(config: HarnessConfig, argv: list[str]) -> int:
     enter("setup")
     ctx = setup(config)
+    same_host_heap(ctx)
     enter("load")
     workload = load_bench_workload(config)
     if config.timing == "interleaved":

@@ -492,9 +492,10 @@ def _method_notes(run: BenchRun) -> str:
         "first and kept; then each round runs one step of every method in turn, the order rotated by one each round, "
         "so a machine whose speed drifts over minutes slows every method alike and their ratios hold. The methods "
         "named by `--timed-alone` (by default *single*, the one-device reference and the largest in memory) are timed "
-        "on their own first, so that those alive together fit in memory. The methods share their processes: once "
-        "MetaDist's step is built, glibc keeps freed host memory for every method (`METADIST_HOST_HEAP`), the baselines' "
-        "timed steps included. Measured one "
+        "on their own first, so that those alive together fit in memory. The methods share their processes, and on CPU "
+        "glibc keeps freed host memory for every method from the run's start (`METADIST_HOST_HEAP`, which a compiled step "
+        "sets for its process; result files whose machine lacks `host_heap` set it only once MetaDist's step was built, "
+        "so the methods timed alone ran without it). Measured one "
         "after the other (`--timing sequential`, and the older result files), such a drift between two methods' turns "
         "moved MetaDist/DDP on gpt-85m by 10-20 % between runs of the same code. Each section says which it used.",
         "- *comm payload/rank*: bytes of every collective this rank issued in one step, read from the c10d ops of a "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-__all__ = ["keep_freed_host_memory"]
+__all__ = ["keep_freed_host_memory", "keeps_freed_host_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ def keep_freed_host_memory() -> bool:
     if _applied is None:
         _applied = _apply()
     return _applied
+
+
+def keeps_freed_host_memory() -> bool:
+    """Whether :func:`keep_freed_host_memory` has put its settings in force in this process (it is not called here)."""
+    return bool(_applied)
 
 
 def _apply() -> bool:
