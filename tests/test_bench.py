@@ -201,6 +201,10 @@ def test_never_lose_names_the_measured_per_node_costs_when_the_calibration_has_t
     (line,) = never_lose_lines([replace(run, methods=methods)])
     assert "the captured step's 1000 nodes cost 20 us each in MetaDist's runtime against 8 us eagerly" in line
     assert "x2.5 per node, 12.0 ms a step" in line and "predicted x2.00 of ddp, measured x2.00" in line
+    assert line.endswith("(2.0 ms lost, 100% of it the per-node cost)")  # the per-node cost alone covers the loss
+    slow = tuple(replace(m, step_times_s=(0.4,) * 3) if m.method == "metadist-ilp" else m for m in methods)
+    (line,) = never_lose_lines([replace(run, methods=slow)])
+    assert line.endswith("(398.0 ms lost, 3% of it the per-node cost)")  # the rest is outside the per-node figures
 
 
 def test_wholerun_bench_reports_each_part_and_the_trees_side_by_side():

@@ -717,9 +717,12 @@ def _why_slower_figures(ours: MethodResult, best: MethodResult) -> str:
     nodes, runtime_s, eager_s = ours.predicted.get("nodes"), ours.predicted.get("op_overhead_s"), ours.predicted.get("eager_op_overhead_s")
     if nodes and runtime_s and eager_s and runtime_s > eager_s:
         # the calibration measured both: the captured step run by MetaDist's runtime and the same step run eagerly
+        per_node_s = nodes * (runtime_s - eager_s)
+        lost_s = ours.median_step_s - best.median_step_s
         return (f"the captured step's {nodes} nodes cost {runtime_s * 1e6:.0f} us each in MetaDist's runtime against "
-                f"{eager_s * 1e6:.0f} us eagerly (calibration: x{runtime_s / eager_s:.1f} per node, {nodes * (runtime_s - eager_s) * 1e3:.1f} ms "
-                f"a step), and {calls}; predicted x{ours_s / best_s:.2f} of {best.method}, measured x{ours.median_step_s / best.median_step_s:.2f}")
+                f"{eager_s * 1e6:.0f} us eagerly (calibration: x{runtime_s / eager_s:.1f} per node, {per_node_s * 1e3:.1f} ms "
+                f"a step), and {calls}; predicted x{ours_s / best_s:.2f} of {best.method}, measured x{ours.median_step_s / best.median_step_s:.2f} "
+                f"({lost_s * 1e3:.1f} ms lost, {min(1.0, per_node_s / lost_s):.0%} of it the per-node cost)")
     return (f"the cost model put MetaDist's plan at x{ours_s / best_s:.2f} of the solver's {best.method} layout, but "
             f"MetaDist's step took x{under:.1f} its estimate and {best.method}'s x{best.median_step_s / best_s:.1f} "
             f"({best.method} here is torch's own implementation, not the solver's layout); {calls}")
