@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -223,6 +224,22 @@ def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibrati
     assert slowed.element_seconds("tanh") == pytest.approx(1.6 * 3e-9)
     with pytest.raises(ClusterError, match="slowdown"):
         replace(plain, sustained_slowdown=0.5)
+    # ranks that outnumber the cores (version 12): the slowdown is at least their threads per core, whatever was measured
+    assert device(sustained_slowdown=1.6, core_sharing=2.0).sustained_slowdown == 2.0
+    assert device(sustained_slowdown=1.6, core_sharing=2.0).op_overhead_s == pytest.approx(2 * 8e-6)
+    assert device(sustained_slowdown=2.5, core_sharing=2.0).sustained_slowdown == 2.5
+    assert device(core_sharing=0.5) == plain  # fewer threads than cores: no floor above 1
+
+
+def test_core_sharing_counts_the_hosts_compute_threads_per_core(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from metadist.cost.calibrate_worker import core_sharing
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert core_sharing() == pytest.approx(4 * torch.get_num_threads() / cores)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert core_sharing() == pytest.approx(torch.get_num_threads() / cores)
 
 
 def _layout_graph():
@@ -423,7 +440,8 @@ def test_calibrate_measures_gloo_on_two_processes():
     device = cluster.device
     # every rate as measured, over how much slower the processes computed over a long stretch (at least 1; version 6)
     slowdown = device.sustained_slowdown
-    assert slowdown == max(1.0, report["device"]["sustained_slowdown"])
+    assert slowdown == max(1.0, report["device"]["sustained_slowdown"], report["device"]["core_sharing"])
+    assert report["device"]["core_sharing"] > 0
     for dtype in ("bfloat16", "float16"):
         assert device.flops_per_s(dtype) == pytest.approx(report["device"][f"peak_flops_per_s_{dtype}"] / slowdown)
         assert device.bandwidth_bytes_per_s(dtype) == pytest.approx(report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] / slowdown)

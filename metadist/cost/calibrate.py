@@ -134,9 +134,14 @@ IN_STEP_COLLECTIVE_BYTES = 4096
 
 def sustained_slowdown(figures: Mapping[str, float]) -> float:
     """How much slower the processes compute over a step than in the calibration's short timed calls (at least 1; 1
-    without the figure: a GPU, or an older report). Every rate the worker measured is divided by it and every per-op
-    time multiplied: processes that share cores take turns on them, which a call shorter than a turn does not see."""
-    return max(float(figures.get("sustained_slowdown", 1.0)), 1.0)
+    without the figures: a GPU, or an older report). Every rate the worker measured is divided by it and every per-op
+    time multiplied: processes that share cores take turns on them, which a call shorter than a turn does not see.
+
+    The larger of the measured ``sustained_slowdown`` and ``core_sharing`` (the host's compute threads per core,
+    :func:`metadist.cost.calibrate_worker.core_sharing`): ranks that outnumber the cores cannot all compute at once,
+    whatever the short bursts caught (4 ranks on 2 cores: the measured figure 1.55-1.88, the sharing 2, an eager DDP
+    step of gpt2-tiny with every rank computing 2.2x as long as alone)."""
+    return max(float(figures.get("sustained_slowdown", 1.0)), float(figures.get("core_sharing", 1.0)), 1.0)
 
 
 def collective_sync_s(in_step_s: float | None, link: Link, axis_size: int) -> float:
@@ -258,7 +263,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 11
+CALIBRATION_VERSION = 12
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -271,7 +276,8 @@ also past the last-level cache (8M elements), and seconds per element of layer n
 draws (``bernoulli``, ``rand``, ``randn``); 10: bfloat16 and float16 matmuls also with either operand transposed
 (``matmul_curve:DTYPE@nt``, ``@tn``: a CPU's low-precision kernels run those layouts several times faster); 11: the
 runtime's captured and eager calibration steps timed one process at a time (their per-node figures swung 2-7x between
-calibrations on 4 processes sharing 2 cores). A cache
+calibrations on 4 processes sharing 2 cores); 12: the host's compute threads per core (``core_sharing``), a floor
+of the sustained slowdown. A cache
 of an older version is measured again, not read."""
 
 

@@ -327,7 +327,7 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
 
 
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s",
-                      "sustained_slowdown"})
+                      "sustained_slowdown", "core_sharing"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every ``op_element_s:OP``; the others
 are rates (the smallest)."""
 
@@ -366,6 +366,22 @@ def _sustained_slowdown(repeats: int = 15) -> float:
     burst = statistics.median(timed(SUSTAINED_BURST_ITERATIONS) for _ in range(repeats))
     sustained = statistics.median(timed(SUSTAINED_ITERATIONS) for _ in range(3))
     return sustained / burst
+
+
+def core_sharing() -> float:
+    """The compute threads of this host's ranks per core they may run on (``LOCAL_WORLD_SIZE`` ranks of
+    ``torch.get_num_threads()`` threads each; a CPU figure): above 1, the ranks cannot all compute at once, and a step
+    in which every rank computes takes at least that many times as long as one rank alone.
+
+    The sustained slowdown measures the same sharing, but from short bursts timed with every rank at once: a burst of
+    one of 4 ranks on 2 cores ran alone on a core or waited its turn, so their median mixed both and the ratio came
+    out at 1.55-1.88 on this project's 2-core machine, where an eager DDP step of gpt2-tiny (no collective) took 2.2x
+    as long with all 4 ranks computing as alone; :func:`metadist.cost.calibrate.sustained_slowdown` takes the larger.
+    """
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * torch.get_num_threads() / max(cores, 1)
 
 
 class _CalibrationMLP(torch.nn.Module):
@@ -456,7 +472,7 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     dist.barrier()
     step_s, eager_s = statistics.median(captured), statistics.median(eager)
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
-               "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown()}
+               "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing()}
     if world > 1:
         alone, extra = _in_step_collective(Collectives.from_device_mesh(_world_mesh(world)), 0, repeats)
         figures.update(compute_phase_s=alone, in_step_collective_s=extra)
