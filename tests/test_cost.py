@@ -229,6 +229,12 @@ def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibrati
     assert device(sustained_slowdown=1.6, core_sharing=2.0).op_overhead_s == pytest.approx(2 * 8e-6)
     assert device(sustained_slowdown=2.5, core_sharing=2.0).sustained_slowdown == 2.5
     assert device(core_sharing=0.5) == plain  # fewer threads than cores: no floor above 1
+    # an op on a DTensor (version 13): measured alone, scaled by the slowdown as every per-op time; 0 when not measured
+    assert plain.dtensor_op_overhead_s == 0.0
+    assert device(dtensor_op_s=30e-6).dtensor_op_overhead_s == pytest.approx(30e-6)
+    assert device(dtensor_op_s=30e-6, sustained_slowdown=1.6).dtensor_op_overhead_s == pytest.approx(1.6 * 30e-6)
+    with pytest.raises(ClusterError, match="positive"):
+        replace(plain, dtensor_op_overhead_s=-1e-6)
 
 
 def test_core_sharing_counts_the_hosts_compute_threads_per_core(monkeypatch):
@@ -442,6 +448,9 @@ def test_calibrate_measures_gloo_on_two_processes():
     slowdown = device.sustained_slowdown
     assert slowdown == max(1.0, report["device"]["sustained_slowdown"], report["device"]["core_sharing"])
     assert report["device"]["core_sharing"] > 0
+    # an op on a sharded DTensor costs more than on a plain tensor (version 13), priced at the slowdown
+    assert report["device"]["dtensor_op_s"] > 0
+    assert device.dtensor_op_overhead_s == pytest.approx(report["device"]["dtensor_op_s"] * slowdown)
     for dtype in ("bfloat16", "float16"):
         assert device.flops_per_s(dtype) == pytest.approx(report["device"][f"peak_flops_per_s_{dtype}"] / slowdown)
         assert device.bandwidth_bytes_per_s(dtype) == pytest.approx(report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] / slowdown)

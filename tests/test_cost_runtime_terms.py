@@ -17,7 +17,7 @@ from metadist.cost.cluster import ClusterError, Link
 from metadist.cost.comm import collective_seconds
 from metadist.ir import Mesh
 from metadist.solver import baseline_plan, plan_graph
-from metadist.solver.baselines import fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate
+from metadist.solver.baselines import dtensor_seconds, fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate, torch_tp_estimate
 from test_solver_helpers import mlp_step
 
 
@@ -137,6 +137,60 @@ def test_torch_fsdp_is_priced_per_unit_as_fsdp2_runs_it_and_sends_the_bytes_the_
             assert priced["step_s"] == pytest.approx(priced["compute_s"] + priced["comm_s"])
     with pytest.raises(ValueError, match="one axis"):
         torch_fsdp_estimate(graph, _synced("cpu-gloo", Mesh((2, 2)), sync_s=0.0), zero.estimate, units, True)
+
+
+def test_torch_fsdp_and_tp_pay_the_dtensor_cost_of_each_op_they_run_on_dtensors():
+    """torch's FSDP2 runs its optimizer on DTensor parameters, its TP the parallel modules' ops too: each such op pays
+    the calibrated DTensor cost on top of the eager compute; a device that did not measure it (0) adds nothing."""
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=1e-3, op_overhead_s=30e-6)
+    measured = replace(cluster, device=replace(cluster.device, dtensor_op_overhead_s=40e-6))
+    units = fsdp_unit_bytes([[((64, 64), 4)]], 2)
+    zero = baseline_plan(graph, rules, cluster, "zero2")
+    plain = torch_fsdp_estimate(graph, measured, zero.estimate, units, False, layout_plan=zero)
+    priced = torch_fsdp_estimate(graph, measured, zero.estimate, units, False, layout_plan=zero, dtensor_ops=100)
+    assert priced["dtensor_s"] == pytest.approx(100 * 40e-6) and plain["dtensor_s"] == 0.0
+    assert priced["compute_s"] == pytest.approx(plain["compute_s"] + 100 * 40e-6)
+    assert priced["step_s"] == pytest.approx(plain["step_s"] + 100 * 40e-6) and priced["comm_s"] == plain["comm_s"]
+    assert torch_fsdp_estimate(graph, cluster, zero.estimate, units, False, dtensor_ops=100)["dtensor_s"] == 0.0
+    assert dtensor_seconds(measured, 0) == 0.0
+    with pytest.raises(ValueError, match=">= 0"):
+        dtensor_seconds(measured, -1)
+
+
+def test_torch_tp_is_priced_by_its_activation_all_reduces_and_fsdp_on_the_other_axis():
+    """torch's TP: one blocking all-reduce per row-wise output (forward) and column-wise input gradient (backward) on
+    the last mesh axis, each paying its full fixed and in-step cost; on a 2-D mesh FSDP2 (ZeRO-2) over the first
+    axis, per unit; compute at the eager per-node cost plus the DTensor ops."""
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    reduces = [8192.0, 8192.0, 4096.0]
+    flat = _synced("cpu-gloo", Mesh((4,)), sync_s=2e-3, op_overhead_s=30e-6)
+    flat = replace(flat, device=replace(flat.device, eager_op_overhead_s=10e-6, dtensor_op_overhead_s=50e-6))
+    megatron = baseline_plan(graph, rules, flat, "megatron")
+    priced = torch_tp_estimate(graph, flat, megatron.estimate, reduces, dtensor_ops=60, layout_plan=megatron)
+    assert priced["collectives_by_kind"] == {"all_reduce": 3}
+    expected = sum(collective_seconds("all_reduce", size, 4, flat.link(0))[0] for size in reduces)
+    assert priced["comm_s"] == pytest.approx(expected) and expected > 3 * 2e-3  # each call pays the in-step cost
+    eager = torch_ddp_estimate(graph, flat, megatron.estimate, dp_plan=megatron)["compute_s"]  # the same eager compute
+    assert priced["compute_s"] == pytest.approx(eager + 60 * 50e-6) and priced["dtensor_s"] == pytest.approx(60 * 50e-6)
+    assert priced["step_s"] == pytest.approx(priced["compute_s"] + priced["comm_s"])
+    # 2-D (dp, tp): the all-reduces on tp's link, FSDP2's all-gather and reduce-scatter per unit on dp's
+    square = _synced("cpu-gloo", Mesh((2, 2)), sync_s=1e-3, op_overhead_s=30e-6)
+    square = replace(square, axis_links=(replace(square.link(0), sync_s=3e-3), square.link(1)))
+    megatron2 = baseline_plan(graph, rules, square, "megatron")
+    units = fsdp_unit_bytes([[((32, 64), 4)], [((64,), 4)]], 2)
+    priced2 = torch_tp_estimate(graph, square, megatron2.estimate, reduces, 0, units, layout_plan=megatron2)
+    assert priced2["collectives_by_kind"] == {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 2}
+    tp_s = sum(collective_seconds("all_reduce", size, 2, square.link(1))[0] for size in reduces)
+    fsdp_s = sum(collective_seconds("all_gather", size / 2, 2, square.link(0))[0]
+                 + collective_seconds("reduce_scatter", size, 2, square.link(0))[0] for size in units)
+    assert priced2["comm_s"] == pytest.approx(tp_s + fsdp_s)
+    dp_name, tp_name = square.mesh.axis_names
+    assert priced2["comm_bytes_by_axis"][tp_name] == pytest.approx(
+        sum(collective_seconds("all_reduce", size, 2, square.link(1))[1] for size in reduces))
+    assert priced2["comm_bytes_by_axis"][dp_name] > 0
+    with pytest.raises(ValueError, match="2-D mesh"):
+        torch_tp_estimate(graph, flat, megatron.estimate, reduces, 0, units)
 
 
 def test_a_random_op_costs_its_whole_draw_in_metadist_and_its_share_in_torch_ddp():

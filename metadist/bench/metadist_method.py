@@ -11,7 +11,9 @@ The cost model's estimates of the same step (MetaDist's plan and the solver's ow
 predicted communication and time next to the measured ones. torch's DDP and FSDP2 are priced as they
 run (:func:`metadist.solver.baselines.torch_ddp_estimate`: eager compute, one all-reduce per gradient
 bucket; :func:`~metadist.solver.baselines.torch_fsdp_estimate`: per unit, its all-gathers and its
-reduce-scatter), the solver's layout's own estimate kept as ``solver_layout_step_s``.
+reduce-scatter; :func:`~metadist.solver.baselines.torch_tp_estimate`: its activations' all-reduces; each with
+the ops torch runs on DTensors counted on the model, :mod:`.torch_counts`), the solver's layout's own estimate kept
+as ``solver_layout_step_s``.
 """
 
 from __future__ import annotations
@@ -228,8 +230,10 @@ def expert_placement_note(graph: Any, plan: Any) -> str:
 def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[str, Any]]:
     """The cost model's estimate of each solver baseline, keyed by the measured method it stands for. torch's DDP
     and FSDP2 (``ddp``, ``zero2``, ``zero3``) are priced as they run, over all ranks on one axis (as the harness runs
-    them whatever the mesh), the solver's layout's own estimate kept as ``solver_layout_step_s``."""
+    them whatever the mesh), and torch's TP (``tp``, ``tp-dp``) on the mesh, the solver's layout's own estimate kept
+    as ``solver_layout_step_s``."""
     from ..solver.baselines import fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate
+    from .torch_counts import eager_optimizer_ops
 
     api = _api()
     model = copy.deepcopy(workload.model)
@@ -251,13 +255,38 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
             priced = torch_ddp_estimate(graph, flat, plan.estimate, dp_plan=plan)
         elif kind in ("zero2", "zero3"):  # torch's FSDP2, one unit per block and the root
             priced = torch_fsdp_estimate(graph, flat, plan.estimate, units, reshard_after_forward=kind == "zero3",
-                                         layout_plan=plan)
-        else:
-            priced = None
+                                         layout_plan=plan, dtensor_ops=eager_optimizer_ops(workload, model.parameters()))
+        else:  # torch's tensor parallelism (with FSDP2 on the data-parallel axis of a 2-D mesh)
+            priced = _torch_tp_priced(workload, ctx, model, graph, planned.cluster, plan)
+            if isinstance(priced, str):
+                predictions[name] = {"error": priced}
+                continue
         layout = _estimate_summary(plan.estimate)
         predictions[name] = layout if priced is None else (
             _estimate_summary(priced) | {"solver_layout_step_s": layout["step_s"]})
     return predictions
+
+
+def _torch_tp_priced(workload: Workload, ctx: RankContext, model: Any, graph: Any, cluster: Any, plan: Any) -> dict[str, Any] | str:
+    """torch's Megatron-style TP as the harness runs it (``tp`` on a 1-D mesh, ``tp-dp`` on a 2-D one), priced by
+    :func:`metadist.solver.baselines.torch_tp_estimate` from counts on ``model`` (:mod:`.torch_counts`); a string
+    says why the model has no TP plan at this degree."""
+    from ..solver.baselines import fsdp_unit_bytes, torch_tp_estimate
+    from .baselines import _family, local_batch, shard_units
+    from .torch_counts import tensor_parallel_counts
+    from .tp_plans import TensorParallelUnavailable, megatron_plan
+
+    two_d = len(ctx.mesh_shape) == 2
+    tp = ctx.mesh_shape[-1] if two_d else ctx.world_size
+    try:
+        tp_plan = megatron_plan(model, _family(workload), tp)
+    except TensorParallelUnavailable as err:
+        return str(err)
+    batch = local_batch(workload.batch, ctx.mesh_shape[0], 0) if two_d else workload.batch
+    counts = tensor_parallel_counts(workload, model, tp_plan, tp, batch, [*shard_units(model), model], with_fsdp=two_d)
+    units = fsdp_unit_bytes(counts.local_units, ctx.mesh_shape[0]) if two_d else ()
+    return torch_tp_estimate(graph, cluster, plan.estimate, counts.activation_reduces,
+                             counts.module_dtensor_ops + counts.optimizer_dtensor_ops, units, layout_plan=plan)
 
 
 def _cluster_over(mesh: Any, ctx: RankContext, api: Mapping[str, Any]) -> Any:
@@ -309,4 +338,4 @@ def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:
         "memory_bytes": number("memory_bytes_peak"),
         "collectives_by_kind": dict(estimate.get("collectives_by_kind", {})),
         "cluster": str(estimate.get("cluster", "")),
-    }
+    } | ({"dtensor_s": float(estimate["dtensor_s"])} if "dtensor_s" in estimate else {})

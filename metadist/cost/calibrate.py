@@ -186,6 +186,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         op_overhead_s=runtime_op_overhead(figures) * slowdown,
         op_element_seconds={op: seconds * slowdown for op, seconds in _by_dtype(figures, "op_element_s:").items()},
         eager_op_overhead_s=eager_op_overhead(figures) * slowdown,
+        dtensor_op_overhead_s=float(figures.get("dtensor_op_s", 0.0)) * slowdown,
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
         sustained_slowdown=slowdown,
@@ -263,7 +264,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 12
+CALIBRATION_VERSION = 13
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -277,7 +278,8 @@ draws (``bernoulli``, ``rand``, ``randn``); 10: bfloat16 and float16 matmuls als
 (``matmul_curve:DTYPE@nt``, ``@tn``: a CPU's low-precision kernels run those layouts several times faster); 11: the
 runtime's captured and eager calibration steps timed one process at a time (their per-node figures swung 2-7x between
 calibrations on 4 processes sharing 2 cores); 12: the host's compute threads per core (``core_sharing``), a floor
-of the sustained slowdown. A cache
+of the sustained slowdown; 13: what an op on a sharded DTensor costs beyond the same op on a plain tensor
+(``dtensor_op_s``: torch's FSDP2 and tensor parallelism priced as they run). A cache
 of an older version is measured again, not read."""
 
 

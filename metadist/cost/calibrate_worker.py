@@ -10,7 +10,8 @@ slowest rank's figures are kept. Two figures are measured through the runtime it
 ``metadist.compile`` with every rank running the whole step) timed on every rank at once gives the
 seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
 runtime's collectives between two compute phases gives what a collective costs where a step runs
-it (the wait for the slower peer included). Last, the same op mix timed in short bursts and in a
+it (the wait for the slower peer included), and a mix of elementwise ops on a sharded DTensor against the same ops
+on its local tensor gives what torch's DTensor adds per op. Last, the same op mix timed in short bursts and in a
 long stretch gives how much slower the ranks compute over a step than in the short timed calls
 (:func:`_sustained_slowdown`: ranks sharing cores take turns). Rank 0 writes the measurements as JSON.
 Usage: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
@@ -327,7 +328,7 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
 
 
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s",
-                      "sustained_slowdown", "core_sharing"})
+                      "sustained_slowdown", "core_sharing", "dtensor_op_s"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every ``op_element_s:OP``; the others
 are rates (the smallest)."""
 
@@ -433,6 +434,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     - ``compute_phase_s``, ``in_step_collective_s``: a phase of tiny ops alone, and the same phase followed by a
       4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
       for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
+    - ``dtensor_op_s``: what an op on a sharded DTensor costs beyond the same op on a plain tensor
+      (:func:`_dtensor_op_seconds`), which torch's FSDP2 and tensor parallelism pay per op on their DTensor parameters.
     """
     import metadist
     from metadist.ir import Mesh
@@ -472,7 +475,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     dist.barrier()
     step_s, eager_s = statistics.median(captured), statistics.median(eager)
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
-               "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing()}
+               "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing(),
+               "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats)}
     if world > 1:
         alone, extra = _in_step_collective(Collectives.from_device_mesh(_world_mesh(world)), 0, repeats)
         figures.update(compute_phase_s=alone, in_step_collective_s=extra)
@@ -482,6 +486,49 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
             grouped = Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size)))
             figures[f"in_step_collective_s:{size}"] = _in_step_collective(grouped, 1, repeats)[1]
     return figures
+
+
+DTENSOR_OPS = 8
+"""Ops per pass of :func:`_dtensor_op_seconds`'s mix."""
+
+
+def _dtensor_op_seconds(mesh, repeats: int) -> float:
+    """Seconds one elementwise op on a sharded DTensor takes beyond the same op on its local tensor, timed one rank at
+    a time as ``eager_step_s`` is (a CPU figure): what torch's FSDP2 and tensor parallelism pay per op they run on
+    DTensor parameters (sharding propagation and dispatch in Python, for an op that moves a few bytes). The mix is an
+    eager optimizer's in place and out of place ops; on this project's 2-core machine about 14 us for an ``add``
+    and 45 for a ``mul_``, against 2-5 on the local tensor."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    whole = torch.rand(256 * world) + 0.5
+    pieces = [distribute_tensor(whole.clone(), mesh, [Shard(0)]) for _ in range(3)]
+    locals_ = [piece.to_local().clone() for piece in pieces]
+
+    def mix(x, y, z) -> None:  # DTENSOR_OPS ops, the kinds an eager AdamW step issues per parameter
+        x.mul_(0.999)
+        x.lerp_(y, 0.1)
+        z.mul_(0.999)
+        z.addcmul_(y, y, value=0.001)
+        denominator = z.sqrt()
+        denominator = denominator.div(1.0)
+        denominator.add_(1e-8)
+        x.addcdiv_(y, denominator, value=-1e-6)
+
+    dtensor, plain = (lambda: mix(*pieces)), (lambda: mix(*locals_))
+    for _ in range(3):
+        dtensor()
+        plain()
+    with_dtensor, without = [], []
+    for turn in range(world):  # one rank at a time, as the eager step: the slowdown prices the sharing once
+        dist.barrier()
+        if dist.get_rank() != turn:
+            continue
+        for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+            with_dtensor.append(median_seconds(dtensor, 1))
+            without.append(median_seconds(plain, 1))
+    dist.barrier()
+    return max(statistics.median(with_dtensor) - statistics.median(without), 0.0) / DTENSOR_OPS
 
 
 def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:

@@ -142,6 +142,11 @@ class Device:
     """The fixed cost per node of the captured graph when torch runs the same step eagerly (fused optimizer kernels,
     scalars as Python floats): what a baseline that runs the model itself (torch DDP, FSDP) pays; measured by
     ``metadist calibrate`` on CPU, 0 (not measured) elsewhere. MetaDist's own plans pay ``op_overhead_s``."""
+    dtensor_op_overhead_s: float = 0.0
+    """What one op on a DTensor costs beyond the same op on a plain tensor (sharding propagation and dispatch, in
+    Python): torch's FSDP2 runs its optimizer's ops on DTensor parameters, its tensor parallelism its parallel
+    modules' ops too. Measured by ``metadist calibrate`` on CPU (~14-45 us per op on this project's 2-core machine),
+    0 (not measured) elsewhere. MetaDist's runtime runs plain tensors and does not pay it."""
     sustained_slowdown: float = 1.0
     """How much slower the processes computed over a long stretch than in the calibration's short timed calls, all at
     once (``metadist calibrate`` on CPU; 1 elsewhere). Already applied: the rates above are divided by it and the
@@ -168,6 +173,7 @@ class Device:
                    *(v for _, v in pairs), *(v for _, v in bandwidths), *(v for _, v in streams),
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
+                or not self.dtensor_op_overhead_s >= 0 \
                 or not all(seconds >= 0 for _, seconds in elements) or not self.sustained_slowdown >= 1:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "
                                f"slowdown >= 1), got {self}")

@@ -175,23 +175,12 @@ def _eager_compute_s(graph: Graph, cluster: Cluster, layout_estimate: Any, layou
     return compute_s
 
 
-def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, unit_bytes: Sequence[float],
-                        reshard_after_forward: bool, layout_plan: Plan | None = None) -> dict[str, Any]:
-    """The cost model's price of torch's FSDP2 (``fully_shard`` per unit and at the root) on ``graph`` over all of
-    ``cluster``'s ranks on one axis (``cluster.mesh`` one-dimensional): not the solver's ``zero2``/``zero3`` layout.
-
-    Each unit (``unit_bytes``: its padded flat parameter, :func:`fsdp_unit_bytes`) all-gathers its parameters before
-    its forward, again before its backward when ``reshard_after_forward`` (ZeRO-3; ZeRO-2 keeps them gathered), and
-    reduce-scatters its gradients after its backward (carried out as an all-reduce of the whole gradient on gloo):
-    one call each, paying its full fixed and in-step cost. Compute: the layout's (``layout_estimate``, the update on
-    each rank's shard) at the eager per-node cost, random ops drawn per rank (``layout_plan``), as
-    :func:`torch_ddp_estimate` prices DDP's; no overlap is assumed."""
+def _fsdp_comm(unit_bytes: Sequence[float], world: int, link: Any, reshard_after_forward: bool) -> tuple[float, float, dict[str, int]]:
+    """(seconds, bytes sent, calls by kind) of FSDP2's collectives over ``world`` ranks on ``link``: per unit, its
+    all-gathers (two when ``reshard_after_forward``) and one reduce-scatter, each paying its full fixed and in-step
+    cost."""
     from ..cost.comm import collective_seconds
 
-    if cluster.mesh.ndim != 1:
-        raise ValueError(f"torch_fsdp_estimate prices FSDP over all ranks on one axis; got mesh {cluster.mesh}")
-    compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan)
-    world, link = cluster.mesh.size, cluster.link(0)
     gathers = 2 if reshard_after_forward else 1
     comm_s = comm_bytes = 0.0
     calls: dict[str, int] = {}
@@ -200,9 +189,81 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
             seconds, sent = collective_seconds(kind, buffer, world, link)
             comm_s, comm_bytes = comm_s + count * seconds, comm_bytes + count * sent
             calls[kind] = calls.get(kind, 0) + count
-    return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+    return comm_s, comm_bytes, calls
+
+
+def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, unit_bytes: Sequence[float],
+                        reshard_after_forward: bool, layout_plan: Plan | None = None,
+                        dtensor_ops: int = 0) -> dict[str, Any]:
+    """The cost model's price of torch's FSDP2 (``fully_shard`` per unit and at the root) on ``graph`` over all of
+    ``cluster``'s ranks on one axis (``cluster.mesh`` one-dimensional): not the solver's ``zero2``/``zero3`` layout.
+
+    Each unit (``unit_bytes``: its padded flat parameter, :func:`fsdp_unit_bytes`) all-gathers its parameters before
+    its forward, again before its backward when ``reshard_after_forward`` (ZeRO-3; ZeRO-2 keeps them gathered), and
+    reduce-scatters its gradients after its backward (carried out as an all-reduce of the whole gradient on gloo):
+    one call each, paying its full fixed and in-step cost. Compute: the layout's (``layout_estimate``, the update on
+    each rank's shard) at the eager per-node cost, random ops drawn per rank (``layout_plan``), as
+    :func:`torch_ddp_estimate` prices DDP's, plus ``dtensor_ops`` ops on DTensors (the eager optimizer's ops on the
+    sharded parameters, :func:`dtensor_seconds`); no overlap is assumed."""
+    if cluster.mesh.ndim != 1:
+        raise ValueError(f"torch_fsdp_estimate prices FSDP over all ranks on one axis; got mesh {cluster.mesh}")
+    dtensor_s = dtensor_seconds(cluster, dtensor_ops)
+    compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan) + dtensor_s
+    comm_s, comm_bytes, calls = _fsdp_comm(unit_bytes, cluster.mesh.size, cluster.link(0), reshard_after_forward)
+    return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s, "dtensor_s": dtensor_s,
             "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
             "memory_bytes_peak": layout_estimate.get("memory_bytes_peak"),
+            "collectives_by_kind": calls, "cluster": cluster.name}
+
+
+def dtensor_seconds(cluster: Cluster, ops: int) -> float:
+    """What ``ops`` ops on DTensors cost beyond the same ops on plain tensors
+    (:attr:`metadist.cost.cluster.Device.dtensor_op_overhead_s`, 0 where the calibration did not measure it)."""
+    if ops < 0:
+        raise ValueError(f"a count of DTensor ops must be >= 0, got {ops}")
+    return ops * cluster.device.dtensor_op_overhead_s
+
+
+def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, activation_reduces: Sequence[float],
+                      dtensor_ops: int, fsdp_unit_bytes: Sequence[float] = (), layout_plan: Plan | None = None) -> dict[str, Any]:
+    """The cost model's price of torch's Megatron-style tensor parallelism (``parallelize_module`` with column- and
+    row-wise linears) on the LAST axis of ``cluster``'s mesh, with FSDP2 (ZeRO-2: parameters kept gathered after
+    the forward) over the axis before it when the mesh is 2-D: not the solver's ``megatron`` layout, which MetaDist's
+    runtime would run with its own collectives.
+
+    torch's TP all-reduces activations where a row-wise linear ends (forward) and where a column-wise linear's input
+    gradient is summed (backward), one blocking call each, between compute phases: ``activation_reduces`` holds each
+    call's bytes per rank, each priced as one all-reduce paying its full fixed and in-step cost. FSDP2's units
+    (``fsdp_unit_bytes``, of the parameters as TP leaves them on a rank) are priced as :func:`torch_fsdp_estimate`
+    prices them. Compute: the layout's (``layout_estimate``) at the eager per-node cost, random ops drawn per rank
+    (``layout_plan``), plus ``dtensor_ops`` ops on DTensors (the parallel modules' forward and backward, and the
+    eager optimizer's ops on the DTensor parameters, :func:`dtensor_seconds`). No overlap is assumed."""
+    from ..cost.comm import collective_seconds
+
+    mesh = cluster.mesh
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"torch_tp_estimate prices TP on the last axis of a 1-D or 2-D mesh; got mesh {mesh}")
+    if mesh.ndim == 1 and fsdp_unit_bytes:
+        raise ValueError("torch_tp_estimate: FSDP units need a 2-D mesh (dp, tp)")
+    tp_axis = mesh.ndim - 1
+    dtensor_s = dtensor_seconds(cluster, dtensor_ops)
+    compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan) + dtensor_s
+    bytes_by_axis = {name: 0.0 for name in mesh.axis_names}
+    calls: dict[str, int] = {}
+    comm_s = 0.0
+    for size in (size for size in activation_reduces if size > 0 and mesh.shape[tp_axis] > 1):
+        seconds, sent = collective_seconds("all_reduce", size, mesh.shape[tp_axis], cluster.link(tp_axis))
+        comm_s += seconds
+        bytes_by_axis[mesh.axis_names[tp_axis]] += sent
+        calls["all_reduce"] = calls.get("all_reduce", 0) + 1
+    if mesh.ndim == 2:
+        seconds, sent, fsdp_calls = _fsdp_comm(fsdp_unit_bytes, mesh.shape[0], cluster.link(0), reshard_after_forward=False)
+        comm_s += seconds
+        bytes_by_axis[mesh.axis_names[0]] += sent
+        for kind, count in fsdp_calls.items():
+            calls[kind] = calls.get(kind, 0) + count
+    return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s, "dtensor_s": dtensor_s,
+            "comm_bytes_by_axis": bytes_by_axis, "memory_bytes_peak": layout_estimate.get("memory_bytes_peak"),
             "collectives_by_kind": calls, "cluster": cluster.name}
 
 
