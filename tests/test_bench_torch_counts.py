@@ -106,3 +106,15 @@ def test_tp_counts_on_gpt2_match_what_the_bench_measured_of_torchs_tp():
     assert counts.activation_reduces == (8192.0,) * 8
     assert sum(fsdp_unit_bytes(counts.local_units, 2)) == 523520
     assert counts.optimizer_dtensor_ops == 8 * len(list(model.parameters()))
+
+
+def test_a_model_without_a_tp_plan_gets_a_prediction_that_says_why():
+    from metadist.bench.baselines import RankContext
+    from metadist.bench.metadist_method import _torch_tp_priced
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 3))
+    workload = Workload(name="cnn", model=model, batch={"x": torch.randn(2, 1, 4, 4)}, loss_fn=lambda m, b: m(b["x"]).sum(),
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), extras={"family": "cnn"})
+    ctx = RankContext(rank=0, world_size=4, device=torch.device("cpu"), mesh_shape=(2, 2))
+    why = _torch_tp_priced(workload, ctx, model, graph=None, cluster=None, plan=None)
+    assert isinstance(why, str) and "no Megatron-style plan for the 'cnn' family" in why

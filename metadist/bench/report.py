@@ -233,7 +233,7 @@ def _ratio_summary(rows: Sequence[Sequence[str]]) -> str:
     theirs = [row for row in rows if not row[1].startswith("metadist")]
     return (f"Measured over predicted, MetaDist's {len(ours)} rows (the plan the runtime runs): step time "
             f"{_spread(ours, 4)}; wire bytes {_spread(ours, 7)}. The baselines' {len(theirs)} rows (torch's DDP and FSDP2 "
-            f"against their estimates, the Megatron rows against the solver's Megatron layout): step time {_spread(theirs, 4)}; wire bytes "
+            f"and TP against their estimates): step time {_spread(theirs, 4)}; wire bytes "
             f"{_spread(theirs, 7)}. A ratio above 1 means the cost model is optimistic.")
 
 
@@ -395,8 +395,11 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "shares a bucket's fixed cost by an estimate). torch's DDP and FSDP2 (ddp, zero2, zero3) are priced as they "
                   "run: one all-reduce per 25 MiB gradient bucket; per FSDP unit its all-gathers and its reduce-scatter, "
                   "at the eager per-node cost (result files older than that carry the solver's dp/ZeRO layouts' "
-                  "estimates). The Megatron rows (tp, tp-dp) are the solver's Megatron layout, which moves other "
-                  "collectives than the hand-written plans.", "",
+                  "estimates). torch's TP (tp, tp-dp) is priced as it runs too: one blocking all-reduce per row-wise "
+                  "output and per column-wise input gradient, FSDP2 per unit on the data-parallel axis of tp-dp. FSDP2 "
+                  "and TP also pay the calibrated cost of each op they run on a DTensor (the optimizer's, and TP's "
+                  "parallel modules'; calibration version 13; older result files price the Megatron rows as the "
+                  "solver's Megatron layout, with MetaDist's collectives).", "",
                   _ratio_summary(prediction), "",
                   markdown_table(("model", "method", "predicted ms", "measured ms", "measured/predicted",
                                   "predicted wire/rank", "measured wire/rank", "measured/predicted"), prediction), ""]
