@@ -243,6 +243,7 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
     flat = planned.cluster if not two_d else _cluster_over(api["Mesh"]((ctx.world_size,)), ctx, api)
     graph = planned.torch_step.graph
     units = fsdp_unit_bytes(_fsdp_units(model), ctx.world_size)
+    fsdp_dtensor_ops = eager_optimizer_ops(workload, model.parameters())  # FSDP2's update runs on DTensors: both ZeRO rows
     predictions: dict[str, dict[str, Any]] = {}
     for kind, (one_d_name, two_d_name) in PREDICTED_AS.items():
         name = two_d_name if two_d else one_d_name
@@ -255,7 +256,7 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
             priced = torch_ddp_estimate(graph, flat, plan.estimate, dp_plan=plan)
         elif kind in ("zero2", "zero3"):  # torch's FSDP2, one unit per block and the root
             priced = torch_fsdp_estimate(graph, flat, plan.estimate, units, reshard_after_forward=kind == "zero3",
-                                         layout_plan=plan, dtensor_ops=eager_optimizer_ops(workload, model.parameters()))
+                                         layout_plan=plan, dtensor_ops=fsdp_dtensor_ops)
         else:  # torch's tensor parallelism (with FSDP2 on the data-parallel axis of a 2-D mesh)
             priced = _torch_tp_priced(workload, ctx, model, graph, planned.cluster, plan)
             if isinstance(priced, str):
