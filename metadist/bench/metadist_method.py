@@ -98,8 +98,23 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
                 rules = api["graph_rules"](torch_step.graph, api["TorchExecutor"](), db=db)
                 discovery_s = time.perf_counter() - started
             dist.barrier()
-    cluster = _cluster_over(api["Mesh"](tuple(ctx.mesh_shape)), ctx, api)
+    cluster = _with_step_matmuls(_cluster_over(api["Mesh"](tuple(ctx.mesh_shape)), ctx, api), torch_step.graph, ctx)
     return Planned(torch_step, rules, cluster, {"capture": capture_s, "discovery": discovery_s})
+
+
+def _with_step_matmuls(cluster: Any, graph: Any, ctx: RankContext) -> Any:
+    """``cluster`` pricing the step's bfloat16 and float16 matmuls at their times on this machine
+    (:mod:`metadist.cost.matmul_times`): timed by rank 0 while the others wait, then read from the cache by every rank.
+    A cluster other than this machine's calibrated one is returned as it is."""
+    from ..config import settings_from_env
+    from ..cost.matmul_times import with_measured_matmuls
+
+    cache_dir = settings_from_env().cache_dir
+    if ctx.world_size == 1:
+        return with_measured_matmuls(cluster, graph, cache_dir)
+    timed = with_measured_matmuls(cluster, graph, cache_dir) if ctx.rank == 0 else None
+    dist.barrier()
+    return timed if timed is not None else with_measured_matmuls(cluster, graph, cache_dir, measure=False)
 
 
 def machine_cpu_cluster(mesh: Any, ctx: RankContext) -> Any:

@@ -1,7 +1,7 @@
 """Each op of a captured step: the cost model's compute seconds against the op timed on this machine (issue #16, part 2).
 
     python -m metadist.bench.op_costs MODEL [MODEL ...] [--batch-size B --seq-len S] [--repeats 7] [--top 12]
-        [--cluster NAME] [--out F.json]
+        [--cluster NAME] [--precision bf16|fp16] [--out F.json]
 
 One process with one intra-op thread (as each rank of a local run has). The step of a built-in (real weights) or a
 workload file is captured, its graph run once node by node to hold every value, then each node is timed twice: alone,
@@ -14,7 +14,8 @@ contiguous after its op (``TorchStep.contiguous_values``) is made so here too, a
 (op ``(contiguous copy)``, predicted 0: the cost model does not price it). Printed per operator: nodes,
 predicted, alone and in-step milliseconds and their ratios; then the nodes the model misprices the most in the step
 by absolute difference. What it tells: which operators' prices a step's misprediction comes from, and how much of it
-is the caches. It does not time what a step adds between its ops (allocation, Python): the whole step's time is
+is the caches. ``--precision`` captures the step under a mixed precision policy (as ``metadist plan --precision``),
+so that the narrow dtypes' prices can be read op by op. It does not time what a step adds between its ops (allocation, Python): the whole step's time is
 ``make bench``'s.
 """
 
@@ -36,14 +37,15 @@ CONTIGUOUS_COPY = "(contiguous copy)"
 
 
 def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int | None = None,
-            seq_len: int | None = None) -> dict[str, Any]:
+            seq_len: int | None = None, precision: str | None = None) -> dict[str, Any]:
     """Per node of ``model``'s captured step: op, predicted and measured seconds.
 
     ``model``: a built-in (built on the CPU with real weights, at ``batch_size`` and ``seq_len`` when given) or a
     workload file (``path.py[:function]``), as the bench harness takes them. Each node is timed twice over:
     ``measured_s``, its op called ``repeats`` times in a row on the same values (the caches warm, as the calibration
     times ops), and ``in_step_s``, the median over ``repeats`` runs of the whole graph in order of the node's one
-    call there (its operands as a step leaves them in the caches)."""
+    call there (its operands as a step leaves them in the caches). ``precision``: a mixed precision policy's name
+    (``bf16``, ``fp16``) the step is captured under; None: as written."""
     import torch
 
     from ..cost.calibrate import machine_cluster
@@ -73,8 +75,13 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
     else:
         workload = load_workload(model)
     optimizer = workload.optimizer(workload.model.parameters())
-    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model)
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model,
+                        precision=precision)
     graph = step.graph
+    if cluster_name is None:  # as a plan on this machine prices them: bfloat16/float16 matmuls at their timed shapes
+        from ..cost.matmul_times import with_measured_matmuls
+
+        cluster = with_measured_matmuls(cluster, graph, settings_from_env().cache_dir)
     env: dict[str, Any] = {gi.value.name: tensor for gi, tensor in
                            zip(graph.inputs, step.gather_inputs(workload.model, optimizer, workload.batch))}
     env.update(step.constants)
@@ -99,7 +106,7 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
                     next(position)["measured_s"] = median_seconds(tensor.contiguous, repeats)
     for row in rows:
         row["in_step_s"] = statistics.median(row.pop("in_step"))
-    return {"model": model, "cluster": cluster.name, "repeats": repeats, "nodes": rows}
+    return {"model": model, "cluster": cluster.name, "repeats": repeats, "precision": precision, "nodes": rows}
 
 
 def _run_in_order(graph, env: dict[str, Any], contiguous_values) -> list[tuple[str, Any, float]]:
@@ -144,7 +151,8 @@ def _ratio(measured: float, predicted: float) -> str:
 def print_result(console: Console, data: dict, top: int) -> None:
     rows = data["nodes"]
     totals = {key: sum(row[key] for row in rows) for key in ("predicted_s", "measured_s", "in_step_s")}
-    table = Table(title=f"{data['model']}: {len(rows)} nodes, each op timed alone and in the step's order (median of "
+    policy = f" under {data['precision']}" if data.get("precision") else ""
+    table = Table(title=f"{data['model']}{policy}: {len(rows)} nodes, each op timed alone and in the step's order (median of "
                         f"{data['repeats']}), cost model {data['cluster']}")
     for column in ("op", "nodes", "predicted ms", "alone ms", "alone/predicted", "in step ms", "in step/predicted",
                    "share of in step"):
@@ -176,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per node (the median is kept)")
     parser.add_argument("--top", type=int, default=12, help="operators and nodes listed")
     parser.add_argument("--cluster", default=None, help="a preset or cluster JSON (default: this machine, calibrated)")
+    parser.add_argument("--precision", choices=("bf16", "fp16"), default=None,
+                        help="capture the step under this mixed precision policy (default: as written)")
     parser.add_argument("--out", type=Path, default=None, help="also write every node's figures as JSON")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     results = []
     for model in args.models:
-        data = measure(model, args.repeats, args.cluster, args.batch_size, args.seq_len)
+        data = measure(model, args.repeats, args.cluster, args.batch_size, args.seq_len, args.precision)
         print_result(console, data, args.top)
         results.append(data)
     if args.out is not None:

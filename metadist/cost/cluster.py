@@ -20,6 +20,9 @@ from ..ir import Mesh
 CLUSTER_FORMAT = "metadist.cluster"
 CLUSTER_FORMAT_VERSION = 1
 
+MatmulKey = tuple
+"""A local matmul's shape as :attr:`Device.matmul_seconds` keys it: ``(dtype, layout, batch, m, k, n)``."""
+
 
 class ClusterError(ValueError):
     """A cluster description is malformed or does not fit the mesh."""
@@ -147,6 +150,12 @@ class Device:
     Python): torch's FSDP2 runs its optimizer's ops on DTensor parameters, its tensor parallelism its parallel
     modules' ops too. Measured by ``metadist calibrate`` on CPU (~14-45 us per op on this project's 2-core machine),
     0 (not measured) elsewhere. MetaDist's runtime runs plain tensors and does not pay it."""
+    matmul_seconds: tuple[tuple[MatmulKey, float], ...] = ()
+    """Measured seconds of matmuls by local shape, as (``(dtype, layout, batch, m, k, n)``, seconds) pairs (``batch``
+    0 for a plain matmul; ``layout`` as :attr:`matmul_curves`'s): a node whose local matmul is listed is priced at its
+    time, beyond ``op_overhead_s``, instead of on the curves. Filled for a step's bfloat16 and float16 matmuls on this
+    machine's calibrated CPU cluster (:func:`~.matmul_times.with_measured_matmuls`), the sustained slowdown applied;
+    empty for the presets."""
     sustained_slowdown: float = 1.0
     """How much slower the processes computed over a long stretch than in the calibration's short timed calls, all at
     once (``metadist calibrate`` on CPU; 1 elsewhere). Already applied: the rates above are divided by it and the
@@ -166,6 +175,9 @@ class Device:
         object.__setattr__(self, "matmul_curves", matmul)
         object.__setattr__(self, "elementwise_curves", elementwise)
         object.__setattr__(self, "_rates", {})  # (curve kind, dtype, size) -> rate or None: compute_seconds asks often
+        matmuls = tuple((tuple(key), float(seconds)) for key, seconds in self.matmul_seconds)
+        object.__setattr__(self, "matmul_seconds", matmuls)
+        object.__setattr__(self, "_matmul_seconds", dict(matmuls))
         elements = _dtype_pairs(self.op_element_seconds)
         object.__setattr__(self, "op_element_seconds", elements)
         object.__setattr__(self, "_element_seconds", dict(elements))
@@ -174,7 +186,7 @@ class Device:
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
                 or not self.dtensor_op_overhead_s >= 0 \
-                or not all(seconds >= 0 for _, seconds in elements) or not self.sustained_slowdown >= 1:
+                or not all(seconds >= 0 for _, seconds in (*elements, *matmuls)) or not self.sustained_slowdown >= 1:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "
                                f"slowdown >= 1), got {self}")
 
@@ -215,6 +227,10 @@ class Device:
     def element_seconds(self, op: str) -> float:
         """Measured seconds per output element of ``op`` (an :func:`~.compute.op_name`); 0 when not measured."""
         return self._element_seconds.get(op, 0.0)
+
+    def measured_matmul_s(self, key: MatmulKey) -> float | None:
+        """The measured seconds of the local matmul ``key`` (:attr:`matmul_seconds`); None where it was not timed."""
+        return self._matmul_seconds.get(key)  # type: ignore[attr-defined]
 
     def matmul_stream_s(self, dtype: str, operand_bytes: float, layout: str = "") -> float:
         """The least seconds a matmul in ``dtype`` whose larger operand holds ``operand_bytes`` (locally) takes: that

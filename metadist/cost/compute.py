@@ -290,6 +290,10 @@ def compute_seconds(
         if spec is not None and sharding is not None
     )
     dtype = compute_dtype(input_specs, output_specs)
+    if work.operands is not None and device.matmul_seconds:
+        measured = device.measured_matmul_s(local_matmul_key(work, input_specs, strategy, mesh, dtype))
+        if measured is not None:  # timed on this machine in its local shape (:mod:`.matmul_times`)
+            return device.op_overhead_s + measured
     roofline = max(flops / device.flops_per_s(dtype, _rate_flops(work, flops, output_specs, strategy, mesh), work.layout),
                    memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:
@@ -300,6 +304,18 @@ def compute_seconds(
             (spec.nbytes if work.draws_whole else local_nbytes(spec, sharding, mesh)) / spec.itemsize
             for spec, sharding in zip(output_specs, strategy.outputs) if spec is not None and sharding is not None))
     return device.op_overhead_s + roofline
+
+
+def local_matmul_key(work: Work, input_specs: Sequence[TensorSpec], strategy: NodeStrategy, mesh: Mesh,
+                     dtype: str) -> tuple | None:
+    """The key of a matmul node's local work under ``strategy`` in :attr:`~.cluster.Device.matmul_seconds`:
+    ``(dtype, layout, batch, m, k, n)`` of the largest pieces of its two operands (``batch`` 0 unless batched); None
+    for operands of fewer than 2 dims."""
+    first, second = (largest_local_shape(input_specs[i], strategy.inputs[i], mesh) for i in work.operands)
+    if len(first) < 2 or len(second) < 2:
+        return None
+    batch = _prod(first[:-2]) if work.op in _BATCHED else 0
+    return (dtype, work.layout, batch, first[-2], first[-1], second[-1])
 
 
 def _rate_flops(work: Work, flops: float, output_specs: Sequence[TensorSpec | None], strategy: NodeStrategy,

@@ -1,0 +1,206 @@
+"""Matmuls of a step's own local shapes in a narrow dtype, timed on this machine (issue #16, part 2).
+
+A CPU's bfloat16 and float16 matmul kernels run at rates that depend on the shape as much as on the FLOPs and the
+layout: on this project's 2-core machine, one thread, gpt2-tiny's bfloat16 step (batch 16 x 64) has a row-major
+``[1024, 64] x [64, 256]`` at 2.6 GFLOP/s and a ``[1024, 1000] x [1000, 64]`` at 2.1, where the row-major curve measured
+on square matmuls (``Device.matmul_curves``) gives 1.1 and 1.0; and a ``[1024, 64] x [64, 1000]`` with its second
+operand transposed at 3.7 GFLOP/s where the ``nt`` curve gives 7.0. Priced on the curves, that step came out at 1.52x
+its time (413 ms against 271, ``python -m metadist.bench.op_costs gpt2-tiny --batch-size 16 --seq-len 64 --precision
+bf16``), and the bench's bfloat16 rows at 0.63-0.83 measured over predicted. float32 matmuls run at one rate whatever
+their layout or aspect (61-67 GFLOP/s a thread here) and keep the curves.
+
+So a step planned on this machine's calibrated cluster times each matmul it may run in a narrow dtype, once per
+local shape (:func:`matmul_keys`: every split of its dims over the mesh axes, as the largest piece's shape), in its
+layout, one thread, one process at a time, and the cost model prices such a node at its measured seconds
+(:meth:`~.cluster.Device.measured_matmul_s`) times the calibration's sustained slowdown. The times are cached per
+machine and torch version beside the calibration (:func:`table_path`) and only missing shapes are timed: gpt2-tiny's
+on 2x2 take ~5 s once. A matmul whose curve price exceeds :data:`LONGEST_TIMED_S`, or any past
+:data:`TIMING_BUDGET_S` of timing in one call, keeps its curve price (the log says how many).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterable
+
+from ..ir import Graph, Mesh
+from .cluster import Cluster, ClusterError, MatmulKey
+from .compute import _BATCHED, compute_dtype, node_work
+
+__all__ = ["NARROW_DTYPES", "matmul_keys", "table_path", "load_table", "with_measured_matmuls", "time_matmul"]
+
+logger = logging.getLogger(__name__)
+
+NARROW_DTYPES = ("bfloat16", "float16")
+"""The dtypes whose matmuls are timed by shape (float32's run at one rate a thread whatever their shape or layout)."""
+
+LONGEST_TIMED_S = 0.5
+"""A matmul the curves price above this (one call, before the slowdown) is not timed: it keeps its curve price."""
+
+TIMING_BUDGET_S = 60.0
+"""Seconds of timing one call of :func:`with_measured_matmuls` spends at most; the shapes left keep their curve price
+and are timed by a later call."""
+
+TABLE_FORMAT = "metadist-matmul-times"
+TABLE_VERSION = 1
+
+
+def _ceil(size: int, pieces: int) -> int:
+    return -(-size // pieces)
+
+
+def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = NARROW_DTYPES) -> dict[MatmulKey, float]:
+    """Each local matmul shape the step's matmuls in ``dtypes`` may run on ``mesh``, with its FLOPs.
+
+    A key is ``(dtype, layout, batch, m, k, n)`` (``batch`` 0 for a plain matmul): the largest piece's shape for every
+    way of giving each mesh axis to one of the matmul's dims (batch, rows, contraction, columns) or to none, as a
+    strategy's shardings of its operands cut them (:meth:`~.cluster.Device.matmul_key` reads the same from a strategy).
+    """
+    wanted = frozenset(dtypes)
+    keys: dict[MatmulKey, float] = {}
+    for node in graph.nodes:
+        work = node_work(graph, node)
+        if work.operands is None:
+            continue
+        in_specs = [graph.value(name).spec for name in node.input_names]
+        dtype = compute_dtype(in_specs, [value.spec for value in node.output_values])
+        if dtype not in wanted:
+            continue
+        first, second = (in_specs[i].shape for i in work.operands)
+        if len(first) < 2 or len(second) < 2:
+            continue
+        batched = work.op in _BATCHED
+        batch = 1
+        for size in first[:-2]:
+            batch *= size
+        dims = (batch, first[-2], first[-1], second[-1]) if batched else (0, first[-2], first[-1], second[-1])
+        splittable = range(4) if batched else range(1, 4)
+        for assignment in itertools.product((None, *splittable), repeat=mesh.ndim):
+            pieces = [1, 1, 1, 1]
+            for axis, dim in enumerate(assignment):
+                if dim is not None:
+                    pieces[dim] *= mesh.shape[axis]
+            local = tuple(_ceil(size, count) if count > 1 else size for size, count in zip(dims, pieces))
+            key = (dtype, work.layout, *local)
+            keys[key] = 2.0 * max(local[0], 1) * local[1] * local[2] * local[3]
+    return keys
+
+
+def table_path(cache_dir: Path) -> Path:
+    """Where this machine's matmul times are cached (per machine and torch version, as a calibration)."""
+    from .calibrate import _torch_version, calibration_key
+
+    return Path(cache_dir) / "calibration" / f"{calibration_key(1, 'matmul', _torch_version())}.json"
+
+
+def load_table(path: Path) -> dict[MatmulKey, float]:
+    """The cached times at ``path`` (empty when there is none). A damaged file is an error that says how to redo it."""
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+        if document.get("format") != TABLE_FORMAT or document.get("version") != TABLE_VERSION:
+            raise ValueError(f"format {document.get('format')!r} version {document.get('version')!r}")
+        return {(str(d), str(layout), int(b), int(m), int(k), int(n)): float(seconds)
+                for d, layout, b, m, k, n, seconds in document["times"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ClusterError(f"the cached matmul times {path} cannot be read ({err}); delete the file: the shapes are "
+                           f"timed again on the next plan") from None
+
+
+def _save_table(path: Path, table: dict[MatmulKey, float]) -> None:
+    document = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
+                "times": [[*key, seconds] for key, seconds in sorted(table.items())]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(document))
+    os.replace(temporary, path)
+
+
+def time_matmul(key: MatmulKey) -> float:
+    """Median seconds of one call of the matmul ``key`` names, on the CPU, one thread (as each rank of a local run)."""
+    import torch
+
+    from .calibrate_worker import _per_call_seconds
+
+    dtype_name, layout, batch, m, k, n = key
+    dtype = getattr(torch, dtype_name)
+    lead = (batch,) if batch else ()
+
+    def operand(rows: int, columns: int, transposed: bool) -> torch.Tensor:
+        if transposed:
+            return torch.randn(*lead, columns, rows).to(dtype).transpose(-1, -2)
+        return torch.randn(*lead, rows, columns).to(dtype)
+
+    a, b = operand(m, k, layout == "tn"), operand(k, n, layout == "nt")
+    op = torch.bmm if batch else torch.mm
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _per_call_seconds(lambda: op(a, b), torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def with_measured_matmuls(cluster: Cluster, graph: Graph, cache_dir: Path, *, measure: bool = True,
+                          announce=None) -> Cluster:
+    """``cluster`` with its device pricing ``graph``'s narrow-dtype matmuls at their times on this machine.
+
+    The cached times are read; with ``measure``, the shapes missing are timed first (within :data:`TIMING_BUDGET_S`)
+    and the cache written (atomically). Only a calibrated CPU cluster is changed (its device has matmul curves, which
+    the presets do not); on it each time is scaled by the calibration's sustained slowdown, as its rates are.
+    ``announce(text)`` is told before a timing of more than a few shapes starts.
+    """
+    device = cluster.device
+    if not device.matmul_curves:
+        return cluster
+    keys = matmul_keys(graph, cluster.mesh)
+    if not keys:
+        return cluster
+    path = table_path(cache_dir)
+    table = load_table(path)
+    missing = [key for key in keys if key not in table]
+    if measure and missing:
+        timed, skipped = _time_missing(missing, keys, cluster, announce, path)
+        if timed:
+            table = {**load_table(path), **timed}  # another process may have added shapes meanwhile
+            _save_table(path, table)
+        if skipped:
+            logger.info("%d matmul shape(s) keep their curve price (priced above %.1f s, or past the %.0f s timing "
+                        "budget)", skipped, LONGEST_TIMED_S, TIMING_BUDGET_S)
+    slowdown = device.sustained_slowdown
+    priced = {key: table[key] * slowdown for key in keys if key in table}
+    merged = {**dict(device.matmul_seconds), **priced}
+    return replace(cluster, device=replace(device, matmul_seconds=tuple(sorted(merged.items()))))
+
+
+def _time_missing(missing: list[MatmulKey], keys: dict[MatmulKey, float], cluster: Cluster, announce,
+                  path: Path) -> tuple[dict[MatmulKey, float], int]:
+    device = cluster.device
+    slowdown = device.sustained_slowdown
+    plain = replace(device, matmul_seconds=())
+
+    def curve_s(key: MatmulKey) -> float:
+        dtype, layout = key[0], key[1]
+        flops = keys[key]
+        rate_flops = flops / key[2] if key[2] > 1 else flops
+        return flops / plain.flops_per_s(dtype, rate_flops, layout) * slowdown
+
+    wanted = [key for key in missing if curve_s(key) <= LONGEST_TIMED_S * slowdown]
+    if announce is not None and len(wanted) > 8:
+        announce(f"timing {len(wanted)} bfloat16/float16 matmul shape(s) of this step on this machine, once; "
+                 f"cached in {path}")
+    timed: dict[MatmulKey, float] = {}
+    started = time.perf_counter()
+    for key in sorted(wanted, key=curve_s):
+        if time.perf_counter() - started > TIMING_BUDGET_S:
+            break
+        timed[key] = time_matmul(key)
+    logger.info("timed %d matmul shape(s) in %.1f s", len(timed), time.perf_counter() - started)
+    return timed, len(missing) - len(timed)
