@@ -99,3 +99,21 @@ def test_first_use_calibrates_once_then_reads_the_cache(tmp_path):
     assert cached["report"]["device"]["op_overhead_s"] > 0 and cached["report"]["device"]["peak_flops_per_s"] > 0
     again = machine_cluster(Mesh((2,)), tmp_path, announce=told.append)
     assert len(told) == 1 and again == first
+
+
+def test_calibrating_again_drops_the_timed_matmul_shapes(tmp_path, monkeypatch):
+    """``metadist calibrate`` replaces the calibration and deletes the matmul times taken at the last one's speed
+    (:mod:`metadist.cost.matmul_times`): the next plan times its shapes again."""
+    import metadist.cost.calibrate as calibrate_module
+    from metadist.cli.main import main
+    from metadist.cost.calibrate import cluster_from_report
+    from metadist.cost.matmul_times import table_path
+
+    monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate_module, "calibrate",
+                        lambda nproc, mesh, sizes: (cluster_from_report(REPORT, mesh), REPORT))
+    stale = table_path(tmp_path)
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"format": "metadist-matmul-times", "version": 1, "times": []}')
+    assert main(["calibrate", "--nproc", "2"]) == 0
+    assert not stale.exists() and load_calibration(calibration_path(tmp_path, 2)) == REPORT

@@ -44,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
 
         cached = calibration_path(settings_from_env().cache_dir, args.nproc)
         save_calibration(cached, report, args.nproc)
+        from ..cost.matmul_times import table_path
+
+        # the matmul shapes timed at the last calibration's speed (metadist.cost.matmul_times): timed again on use
+        table_path(settings_from_env().cache_dir).unlink(missing_ok=True)
     console = Console()
     table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}")
     for column in ("axis", "size", "per call", "in-step wait", "latency per step", "bandwidth", "reduce-scatter"):
