@@ -327,3 +327,41 @@ def test_the_solver_byte_line_counts_a_gloo_reduce_scatter_as_the_all_reduce_it_
         Reporter(enabled=True).solver_estimate(plan, records, 2, backend)
         out = " ".join(capsys.readouterr().out.split())
         assert f"axis0: measured {measured}, solver 3.00 MiB" in out, out
+
+
+def test_a_narrow_matmul_gets_its_operand_in_the_layout_the_capture_read():
+    """A reshard hands a matmul a fresh row-major tensor where the capture read a transposed view; a CPU's bfloat16
+    kernels run the two layouts at rates an order of magnitude apart, and the cost model prices the captured one. The
+    rank module lays such an operand out as captured (same values, the capture's strides): free where it already is."""
+    from metadist.frontends.torch import capture_step
+    from metadist.runtime.graph_module import as_transposed, narrow_transposed_operands
+    from metadist.workloads import builtin_workload
+
+    weight = torch.randn(16, 8).to(torch.bfloat16)
+    view = weight.t()  # [8, 16], read transposed as a linear layer's forward reads its weight
+    assert as_transposed(view) is view
+    fresh = view.contiguous()  # what an all-gather of the view would give: row-major
+    laid = as_transposed(fresh)
+    assert torch.equal(laid, view) and laid.stride() == view.stride()
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    assert torch.equal(torch.mm(x, laid), torch.mm(x, view))
+    assert as_transposed(torch.randn(5)).dim() == 1
+
+    workload = builtin_workload("mlp", optimizer="sgd")
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, precision="bf16")
+    operands = narrow_transposed_operands(step.graph)
+    targets = {step.graph.node(name).op.target for name in operands}
+    assert operands and targets <= {"aten.mm.default", "aten.addmm.default"}
+    assert all(position in (0, 1, 2) for position in operands.values())
+    plain = capture_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
+                         workload.batch)
+    assert narrow_transposed_operands(plain.graph) == {}  # float32 matmuls keep what they are given
+    program = lower(step.graph, replicate_plan(step.graph, Mesh((1,)), "test"), (0,))
+    module = build_rank_module(program, Collectives(("unused",), (1,)), transposed=operands)
+    wrapped = [node for node in module.graph.nodes if node.op == "call_function" and node.target is as_transposed]
+    assert len(wrapped) == len(operands)
+    inputs = step.gather_inputs(workload.model, optimizer, workload.batch)
+    got = module(*inputs)
+    want = execute_graph(step.graph, inputs, step.constants)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

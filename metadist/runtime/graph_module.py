@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
 
 from ..frontends.torch.execute import materialize, resolve_op
 from ..shardcombine.attention import is_attention
-from ..ir import Shard
+from ..ir import Graph, Shard
 from ..lowering import COLLECTIVE_KINDS, CoalescedReshard, LocalOp, RankProgram, Reshard, ReshardStep, Wait
 from .collectives import (
     Collectives, halo_trim, local_slice, pack_flat, pack_for_reduce_scatter, pad_to, unpack_all_gather, unpack_all_reduce,
@@ -38,7 +38,8 @@ from .errors import LocalOpError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_rank_module", "draw_random", "CheckingInterpreter", "FirstRunProbe", "apply_first_run"]
+__all__ = ["build_rank_module", "draw_random", "CheckingInterpreter", "FirstRunProbe", "apply_first_run", "as_transposed",
+           "narrow_transposed_operands"]
 
 
 def build_rank_module(
@@ -47,6 +48,7 @@ def build_rank_module(
     device: torch.device | None = None,
     contiguous_values: frozenset[str] = frozenset(),
     batch: bool = True,
+    transposed: Mapping[str, int] | None = None,
 ) -> torch.fx.GraphModule:
     """The fx GraphModule that runs ``program`` with the collectives of ``comm``.
 
@@ -57,6 +59,9 @@ def build_rank_module(
     ``batch``: run small independent elementwise ops as ``_foreach`` calls
     (:mod:`metadist.runtime.batching`); False keeps one node per op, as
     :class:`CheckingInterpreter` needs to name the op that fails.
+    ``transposed``: node name -> the operand of a matmul that the capture read as a transposed view
+    (:func:`narrow_transposed_operands`); the module hands it to the op in that layout when a reshard has made it
+    row-major (:func:`as_transposed`).
     """
     root = torch.nn.Module()
     root.comm = comm
@@ -80,7 +85,7 @@ def build_rank_module(
         elif isinstance(instruction, CoalescedReshard):
             _emit_coalesced(graph, comm_node, env, instruction)
         else:
-            _emit_local_op(graph, env, instruction, program, device)
+            _emit_local_op(graph, env, instruction, program, device, transposed or {})
             for name in instruction.outputs:
                 if name is not None and name in contiguous_values:
                     env[name] = graph.call_method("contiguous", (env[name],))
@@ -226,8 +231,12 @@ def _emit_halo_step(graph: torch.fx.Graph, comm: torch.fx.Node, node: torch.fx.N
     return graph.call_function(halo_trim, (node, step.dim, trim))
 
 
-def _emit_local_op(graph: torch.fx.Graph, env: dict, op: LocalOp, program: RankProgram, device: torch.device | None) -> None:
+def _emit_local_op(graph: torch.fx.Graph, env: dict, op: LocalOp, program: RankProgram, device: torch.device | None,
+                   transposed: Mapping[str, int]) -> None:
     args = tuple(_on_device(materialize(arg, env), device) for arg in op.args)
+    position = transposed.get(op.node)
+    if position is not None and position < len(args) and isinstance(args[position], torch.fx.Node):
+        args = (*args[:position], graph.call_function(as_transposed, (args[position],)), *args[position + 1:])
     kwargs = {key: _on_device(materialize(arg, env), device) for key, arg in op.kwargs}
     if op.random is not None:
         slices = tuple(
@@ -247,6 +256,39 @@ def _emit_local_op(graph: torch.fx.Graph, env: dict, op: LocalOp, program: RankP
     for index, name in enumerate(op.outputs):
         if name is not None:
             env[name] = graph.call_function(operator.getitem, (node, index))
+
+
+def narrow_transposed_operands(graph: Graph) -> dict[str, int]:
+    """Per bfloat16 or float16 matmul that reads an operand as a transposed view (:func:`metadist.cost.compute.matmul_layout`
+    ``"nt"`` or ``"tn"``), that operand's position.
+
+    A CPU's narrow matmul kernels run such a layout several times faster than row-major by row-major (bfloat16 here,
+    one thread: ~1.3 GFLOP/s row-major, 5.6 with the second operand transposed, 18 with the first), and the cost model
+    prices the node in its captured layout. A reshard between the view and the matmul hands the op a fresh row-major
+    tensor instead (mixtral-mini's experts on 2x2 under bf16: two `tn` backward matmuls priced at 5.4 ms ran at ~100),
+    so the runtime lays such an operand out as the capture read it (:func:`as_transposed`); float32 kernels run every
+    layout at one rate and keep what the reshard gives.
+    """
+    from ..cost.compute import compute_dtype, node_work
+
+    found = {}
+    for node in graph.nodes:
+        work = node_work(graph, node)
+        if work.operands is None or work.layout not in ("nt", "tn"):
+            continue
+        if compute_dtype([graph.value(name).spec for name in node.input_names],
+                         [value.spec for value in node.output_values]) not in ("bfloat16", "float16"):
+            continue
+        found[node.name] = work.operands[1] if work.layout == "nt" else work.operands[0]
+    return found
+
+
+def as_transposed(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` laid out as a transposed view of a row-major buffer (its last two dims swapped in memory): itself
+    where it already is, else a copy so laid out. Same values and shape; only the strides differ."""
+    if tensor.dim() < 2 or tensor.mT.is_contiguous():
+        return tensor
+    return tensor.mT.contiguous().mT
 
 
 def _on_device(value: Any, device: torch.device | None) -> Any:

@@ -57,7 +57,7 @@ from ..solver.pipeline.regions import ANYWHERE_ROLES
 from .collectives import Collectives
 from .errors import RunInputError
 from .graph_module import build_rank_module
-from .step import _device_of, shard_full_tensor
+from .step import _cpu_transposed, _device_of, shard_full_tensor
 
 __all__ = ["PipelineStep", "message_tags", "schedule_order"]
 
@@ -227,7 +227,8 @@ class PipelineStep:
         )
         program = lower(phase, phase_plan, self.sub_coords, bucket_cap_bytes=bucket_cap_bytes, overlap=overlap,
                         partial_inputs=frozenset(self.stage.accumulated))
-        module = build_rank_module(program, self.comm, self.device, self.torch_step.contiguous_values)
+        module = build_rank_module(program, self.comm, self.device, self.torch_step.contiguous_values,
+                                   transposed=_cpu_transposed(self.torch_step.graph, self.device))
         return _Phase(phase, phase_plan, module, program.inputs, tuple(o.name for o in phase.outputs))
 
     def _divisor_stage(self) -> int | None:

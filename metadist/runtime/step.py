@@ -111,7 +111,7 @@ class CompiledStep:
         if keep_host_memory and self.device.type == "cpu":
             keep_freed_host_memory()
         self.module = build_rank_module(self.program, self.comm, self.device, torch_step.contiguous_values,
-                                        batch=not check_shapes)
+                                        batch=not check_shapes, transposed=_cpu_transposed(torch_step.graph, self.device))
         log.info("rank at %s: %d instructions, %d reshards, on %s", self.coords, len(self.program.instructions),
                  len(self.program.reshards()), self.device)
         self._slots = {slot.name: slot for slot in torch_step.slots}
@@ -513,3 +513,11 @@ def shard_full_tensor(tensor: torch.Tensor, sharding: tuple, mesh_shape: tuple[i
     from .collectives import take_bounds
 
     return take_bounds(tensor, local_bounds(tuple(tensor.shape), sharding, Mesh(tuple(mesh_shape)), coords))
+
+
+def _cpu_transposed(graph, device: torch.device) -> dict[str, int]:
+    """The narrow matmuls' operands the rank module lays out as the capture read them, on a CPU (its kernels' speed
+    depends on the layout: :func:`.graph_module.narrow_transposed_operands`); none elsewhere."""
+    from .graph_module import narrow_transposed_operands
+
+    return narrow_transposed_operands(graph) if device.type == "cpu" else {}
