@@ -98,8 +98,19 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
                 rules = api["graph_rules"](torch_step.graph, api["TorchExecutor"](), db=db)
                 discovery_s = time.perf_counter() - started
             dist.barrier()
-    cluster = _with_step_matmuls(_cluster_over(api["Mesh"](tuple(ctx.mesh_shape)), ctx, api), torch_step.graph, ctx)
-    return Planned(torch_step, rules, cluster, {"capture": capture_s, "discovery": discovery_s})
+    cluster = _cluster_over(api["Mesh"](tuple(ctx.mesh_shape)), ctx, api)
+    started = time.perf_counter()
+    cluster = _with_step_matmuls(cluster, torch_step.graph, ctx)
+    compile_s = {"capture": capture_s, "discovery": discovery_s}
+    timing_s = time.perf_counter() - started
+    if timing_s >= MATMUL_TIMING_SHOWN_S:  # the first plan of a bfloat16 step on this machine times its matmuls
+        compile_s["matmul timing"] = timing_s
+    return Planned(torch_step, rules, cluster, compile_s)
+
+
+MATMUL_TIMING_SHOWN_S = 0.05
+"""A compile stage ``matmul timing`` is reported when timing the step's narrow matmuls (or waiting for rank 0 to) took
+at least this long: the first plan of a bfloat16 step on a machine (:mod:`metadist.cost.matmul_times`)."""
 
 
 def _with_step_matmuls(cluster: Any, graph: Any, ctx: RankContext) -> Any:
