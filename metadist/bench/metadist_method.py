@@ -101,8 +101,8 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
     cluster = _cluster_over(api["Mesh"](tuple(ctx.mesh_shape)), ctx, api)
     started = time.perf_counter()
     cluster = _with_step_matmuls(cluster, torch_step.graph, ctx)
-    compile_s = {"capture": capture_s, "discovery": discovery_s}
     timing_s = time.perf_counter() - started
+    compile_s = {"capture": capture_s, "discovery": discovery_s}
     if timing_s >= MATMUL_TIMING_SHOWN_S:  # the first plan of a bfloat16 step on this machine times its matmuls
         compile_s["matmul timing"] = timing_s
     return Planned(torch_step, rules, cluster, compile_s)

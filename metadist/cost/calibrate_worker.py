@@ -242,11 +242,13 @@ def _net_rate(work: float, seconds: float, floor: float) -> float:
     return work / max(seconds - floor, 0.1 * seconds)
 
 
-def _operand(rows: int, columns: int, device: torch.device, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
-    """A ``[rows, columns]`` operand of random values, row-major, or the transposed view of a row-major one."""
+def _operand(rows: int, columns: int, device: torch.device, dtype: torch.dtype, transposed: bool,
+             lead: tuple[int, ...] = ()) -> torch.Tensor:
+    """A ``[*lead, rows, columns]`` operand of random values, row-major, or the transposed view (its last two dims) of
+    a row-major one."""
     if transposed:
-        return torch.randn(columns, rows, device=device).to(dtype).t()
-    return torch.randn(rows, columns, device=device).to(dtype)
+        return torch.randn(*lead, columns, rows, device=device).to(dtype).transpose(-1, -2)
+    return torch.randn(*lead, rows, columns, device=device).to(dtype)
 
 
 def _matmul_curve(device: torch.device, dtype: torch.dtype, layout: str = "") -> list[tuple[int, float]]:

@@ -277,6 +277,11 @@ def compute_seconds(
     """Roofline time of the node's local work under ``strategy`` (seconds), on the rank with the largest pieces."""
     if work.is_view:
         return device.op_overhead_s
+    dtype = compute_dtype(input_specs, output_specs)
+    if work.operands is not None and device.matmul_seconds:
+        measured = device.measured_matmul_s(local_matmul_key(work, input_specs, strategy, mesh, dtype))
+        if measured is not None:  # timed on this machine in its local shape (:mod:`.matmul_times`)
+            return device.op_overhead_s + measured
     flops = work.flops
     if not work.draws_whole:
         flops /= split_degree(strategy, mesh)
@@ -289,11 +294,6 @@ def compute_seconds(
         for spec, sharding in zip(output_specs, strategy.outputs)
         if spec is not None and sharding is not None
     )
-    dtype = compute_dtype(input_specs, output_specs)
-    if work.operands is not None and device.matmul_seconds:
-        measured = device.measured_matmul_s(local_matmul_key(work, input_specs, strategy, mesh, dtype))
-        if measured is not None:  # timed on this machine in its local shape (:mod:`.matmul_times`)
-            return device.op_overhead_s + measured
     roofline = max(flops / device.flops_per_s(dtype, _rate_flops(work, flops, output_specs, strategy, mesh), work.layout),
                    memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:

@@ -14,7 +14,7 @@ local shape (:func:`matmul_keys`: every split of its dims over the mesh axes, as
 layout, one thread, one process at a time, and the cost model prices such a node at its measured seconds
 (:meth:`~.cluster.Device.measured_matmul_s`) times the calibration's sustained slowdown. The times are cached per
 machine and torch version beside the calibration (:func:`table_path`) and only missing shapes are timed: gpt2-tiny's
-on 2x2 take ~5 s once. A matmul whose curve price exceeds :data:`LONGEST_TIMED_S`, or any past
+on 2x2 take ~6 s once. A matmul whose curve price exceeds :data:`LONGEST_TIMED_S`, or any past
 :data:`TIMING_BUDGET_S` of timing in one call, keeps its curve price (the log says how many).
 """
 
@@ -23,17 +23,17 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
-from ..ir import Graph, Mesh
+from ..ir import Graph, Mesh, Node
 from .cluster import Cluster, ClusterError, MatmulKey
-from .compute import _BATCHED, compute_dtype, node_work
+from .compute import _BATCHED, Work, _prod, compute_dtype, node_work
 
-__all__ = ["NARROW_DTYPES", "matmul_keys", "table_path", "load_table", "with_measured_matmuls", "time_matmul"]
+__all__ = ["NARROW_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table", "with_measured_matmuls",
+           "time_matmul"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,18 @@ TABLE_FORMAT = "metadist-matmul-times"
 TABLE_VERSION = 1
 
 
-def _ceil(size: int, pieces: int) -> int:
-    return -(-size // pieces)
+def narrow_matmuls(graph: Graph, dtypes: Iterable[str] = NARROW_DTYPES) -> Iterator[tuple[Node, Work, str]]:
+    """(node, its work, its compute dtype) of each matmul of ``graph`` (a node with two matmul operands) that computes
+    in one of ``dtypes``."""
+    wanted = frozenset(dtypes)
+    for node in graph.nodes:
+        work = node_work(graph, node)
+        if work.operands is None:
+            continue
+        dtype = compute_dtype([graph.value(name).spec for name in node.input_names],
+                              [value.spec for value in node.output_values])
+        if dtype in wanted:
+            yield node, work, dtype
 
 
 def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = NARROW_DTYPES) -> dict[MatmulKey, float]:
@@ -60,35 +70,22 @@ def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = NARROW_DTYPES)
 
     A key is ``(dtype, layout, batch, m, k, n)`` (``batch`` 0 for a plain matmul): the largest piece's shape for every
     way of giving each mesh axis to one of the matmul's dims (batch, rows, contraction, columns) or to none, as a
-    strategy's shardings of its operands cut them (:meth:`~.cluster.Device.matmul_key` reads the same from a strategy).
+    strategy's shardings of its operands cut them (:func:`~.compute.local_matmul_key` reads the same from a strategy).
     """
-    wanted = frozenset(dtypes)
     keys: dict[MatmulKey, float] = {}
-    for node in graph.nodes:
-        work = node_work(graph, node)
-        if work.operands is None:
-            continue
-        in_specs = [graph.value(name).spec for name in node.input_names]
-        dtype = compute_dtype(in_specs, [value.spec for value in node.output_values])
-        if dtype not in wanted:
-            continue
-        first, second = (in_specs[i].shape for i in work.operands)
+    for node, work, dtype in narrow_matmuls(graph, dtypes):
+        first, second = (graph.value(node.input_names[i]).spec.shape for i in work.operands)
         if len(first) < 2 or len(second) < 2:
             continue
         batched = work.op in _BATCHED
-        batch = 1
-        for size in first[:-2]:
-            batch *= size
-        dims = (batch, first[-2], first[-1], second[-1]) if batched else (0, first[-2], first[-1], second[-1])
-        splittable = range(4) if batched else range(1, 4)
-        for assignment in itertools.product((None, *splittable), repeat=mesh.ndim):
+        dims = (_prod(first[:-2]) if batched else 0, first[-2], first[-1], second[-1])
+        for assignment in itertools.product((None, *range(0 if batched else 1, 4)), repeat=mesh.ndim):
             pieces = [1, 1, 1, 1]
             for axis, dim in enumerate(assignment):
                 if dim is not None:
                     pieces[dim] *= mesh.shape[axis]
-            local = tuple(_ceil(size, count) if count > 1 else size for size, count in zip(dims, pieces))
-            key = (dtype, work.layout, *local)
-            keys[key] = 2.0 * max(local[0], 1) * local[1] * local[2] * local[3]
+            local = tuple(-(-size // count) for size, count in zip(dims, pieces))  # ceil: the largest piece
+            keys[(dtype, work.layout, *local)] = 2.0 * max(local[0], 1) * local[1] * local[2] * local[3]
     return keys
 
 
@@ -115,35 +112,27 @@ def load_table(path: Path) -> dict[MatmulKey, float]:
 
 
 def _save_table(path: Path, table: dict[MatmulKey, float]) -> None:
+    from ..cli.common import write_atomically
+
     document = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
                 "times": [[*key, seconds] for key, seconds in sorted(table.items())]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(document))
-    os.replace(temporary, path)
+    write_atomically(path, json.dumps(document))
 
 
 def time_matmul(key: MatmulKey) -> float:
     """Median seconds of one call of the matmul ``key`` names, on the CPU, one thread (as each rank of a local run)."""
     import torch
 
-    from .calibrate_worker import _per_call_seconds
+    from .calibrate_worker import _operand, _per_call_seconds
 
     dtype_name, layout, batch, m, k, n = key
-    dtype = getattr(torch, dtype_name)
-    lead = (batch,) if batch else ()
-
-    def operand(rows: int, columns: int, transposed: bool) -> torch.Tensor:
-        if transposed:
-            return torch.randn(*lead, columns, rows).to(dtype).transpose(-1, -2)
-        return torch.randn(*lead, rows, columns).to(dtype)
-
-    a, b = operand(m, k, layout == "tn"), operand(k, n, layout == "nt")
+    cpu, dtype, lead = torch.device("cpu"), getattr(torch, dtype_name), (batch,) if batch else ()
+    a, b = _operand(m, k, cpu, dtype, layout == "tn", lead), _operand(k, n, cpu, dtype, layout == "nt", lead)
     op = torch.bmm if batch else torch.mm
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _per_call_seconds(lambda: op(a, b), torch.device("cpu"))
+        return _per_call_seconds(lambda: op(a, b), cpu)
     finally:
         torch.set_num_threads(threads)
 
@@ -184,13 +173,12 @@ def _time_missing(missing: list[MatmulKey], keys: dict[MatmulKey, float], cluste
                   path: Path) -> tuple[dict[MatmulKey, float], int]:
     device = cluster.device
     slowdown = device.sustained_slowdown
-    plain = replace(device, matmul_seconds=())
 
     def curve_s(key: MatmulKey) -> float:
         dtype, layout = key[0], key[1]
         flops = keys[key]
         rate_flops = flops / key[2] if key[2] > 1 else flops
-        return flops / plain.flops_per_s(dtype, rate_flops, layout) * slowdown
+        return flops / device.flops_per_s(dtype, rate_flops, layout) * slowdown
 
     wanted = [key for key in missing if curve_s(key) <= LONGEST_TIMED_S * slowdown]
     if announce is not None and len(wanted) > 8:

@@ -265,22 +265,14 @@ def narrow_transposed_operands(graph: Graph) -> dict[str, int]:
     A CPU's narrow matmul kernels run such a layout several times faster than row-major by row-major (bfloat16 here,
     one thread: ~1.3 GFLOP/s row-major, 5.6 with the second operand transposed, 18 with the first), and the cost model
     prices the node in its captured layout. A reshard between the view and the matmul hands the op a fresh row-major
-    tensor instead (mixtral-mini's experts on 2x2 under bf16: two `tn` backward matmuls priced at 5.4 ms ran at ~100),
+    tensor instead (mixtral-mini's experts on 2x2 under bf16: two `tn` backward matmuls priced at 11 ms ran at 111),
     so the runtime lays such an operand out as the capture read it (:func:`as_transposed`); float32 kernels run every
     layout at one rate and keep what the reshard gives.
     """
-    from ..cost.compute import compute_dtype, node_work
+    from ..cost.matmul_times import narrow_matmuls
 
-    found = {}
-    for node in graph.nodes:
-        work = node_work(graph, node)
-        if work.operands is None or work.layout not in ("nt", "tn"):
-            continue
-        if compute_dtype([graph.value(name).spec for name in node.input_names],
-                         [value.spec for value in node.output_values]) not in ("bfloat16", "float16"):
-            continue
-        found[node.name] = work.operands[1] if work.layout == "nt" else work.operands[0]
-    return found
+    return {node.name: work.operands[1] if work.layout == "nt" else work.operands[0]
+            for node, work, _ in narrow_matmuls(graph) if work.layout in ("nt", "tn")}
 
 
 def as_transposed(tensor: torch.Tensor) -> torch.Tensor:
