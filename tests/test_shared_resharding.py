@@ -109,3 +109,38 @@ def test_objective_equals_the_estimate_on_a_captured_model_with_tied_layers():
         choice = {c: draw.randrange(problem.strategy_count(c)) for c in problem.classes}
         step = estimate(graph, assignment_from(problem, choice), problem.cluster, problem.liveness, problem.bucketing)["step_s"]
         assert objective_s(problem, choice) == pytest.approx(step, rel=1e-9)
+
+
+@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+def test_the_ilp_prices_each_shared_charge_at_its_largest_term_at_fractional_points_too(mesh):
+    """The ILP writes a charge as its seconds on its first term plus ``z >= term_k - term_0`` (one row less per charge):
+    at any point of the relaxation, not just at integral ones, the charge then costs its seconds times its largest term,
+    as ``z >= term_k`` for every term would price it, so the relaxation's optimum is unchanged."""
+    import numpy as np
+
+    from metadist.solver.ilp import OBJECTIVE_SCALE, ShardingILP
+    from metadist.solver.problem import charge_s
+
+    graph, rules = mlp_step(256, 512, 2048, layers=2)
+    problem = build_problem(graph, rules, cluster_for("h100-ib", Mesh(mesh)))
+    ilp = ShardingILP(problem, None)
+    charged = set(ilp.z)
+    assert problem.charges and sum(1 for index, *_ in ilp.rows if charged & set(index)) == sum(
+        len(charge.terms) - 1 for charge in problem.charges)  # one row per term after the first
+    cost = np.array(ilp.cost)
+    draw = random.Random(2)
+    for _ in range(10):
+        choices = [{c: draw.randrange(problem.strategy_count(c)) for c in problem.classes} for _ in range(3)]
+        weights = np.array([draw.random() + 0.1 for _ in choices])
+        weights /= weights.sum()
+        values = sum(weight * ilp._values_of(choice) for weight, choice in zip(weights, choices))
+        expected = sum(weight * objective_s(problem, choice) for weight, choice in zip(weights, choices))
+        for charge, z in zip(problem.charges, ilp.z):
+            terms = [float(values[ilp._term_variables(term)].sum()) for term in charge.terms]
+            values[z] = max(0.0, max(terms) - terms[0])  # the least z the rows allow
+            paid = sum(weight * charge_s(problem, charge, choice) for weight, choice in zip(weights, choices))
+            expected += charge.seconds * max(terms) - paid  # the mixture pays the largest term, not the mean of maxima
+        for index, coefficients, lower, upper in ilp.rows:
+            assert lower - 1e-9 <= float(np.dot(values[index], coefficients)) <= upper + 1e-9
+        assert float(cost @ values) / OBJECTIVE_SCALE + ilp.constant_s() == pytest.approx(expected, rel=1e-9)
+        assert any(0.0 < value < 1.0 for value in values[ilp.z])  # a fractional point, where max differs from a sum
