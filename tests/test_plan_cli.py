@@ -37,3 +37,22 @@ def test_infeasible_budget_is_a_clear_user_error(rules_db, capsys):
 def test_unknown_cluster_is_a_clear_user_error(capsys):
     assert main(["plan", "mlp", "--mesh", "4", "--cluster", "nowhere"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_parameters_of_layers_sharded_alike_share_a_row():
+    from metadist.cli.plan import layer_rows
+
+    alike, other = ("f32[8, 8]", "(R, S(0))", ""), ("f32[8, 8]", "(S(0), R)", "")
+    rows = [("embed.weight", alike)]
+    for layer in range(6):
+        rows += [(f"model.layers.{layer}.attn.weight", other if layer == 4 else alike),
+                 (f"model.layers.{layer}.norm.weight", alike)]
+    rows += [("blocks.0.sub.3.weight", alike), ("head.weight", alike)]
+    assert layer_rows(rows) == [
+        ("embed.weight", alike),
+        ("model.layers.{0-3,5}.attn.weight", alike),
+        ("model.layers.{0-5}.norm.weight", alike),
+        ("model.layers.4.attn.weight", other),  # a layer sharded otherwise: a row of its own, where it first comes
+        ("blocks.0.sub.3.weight", alike),  # one numbered name: as it is
+        ("head.weight", alike),
+    ]

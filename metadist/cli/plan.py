@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 from rich.console import Console
 from rich.table import Table
@@ -201,22 +202,69 @@ def _sharding(sharding) -> str:
 
 
 def print_plan(console: Console, graph, plan) -> None:
-    """Parameters with their shardings, the estimate, the solver's statistics."""
+    """Parameters with their shardings (repeated layers' alike parameters on one row), the estimate, the solver's
+    statistics."""
     from ..ir import Role
 
     states: dict[str, list[str]] = {}
     for graph_input in graph.inputs_by_role(Role.OPTIM_STATE):
         states.setdefault(graph_input.source, []).append(_sharding(plan.input_shardings[graph_input.value.name]))
+    rows = [(graph_input.value.name, (str(graph_input.value.spec), _sharding(plan.input_shardings[graph_input.value.name]),
+                                      " ".join(sorted(set(states.get(graph_input.source, []))))))
+            for graph_input in graph.inputs_by_role(Role.PARAM)]
     table = Table(title=f"parameters of {graph.name} on mesh {plan.mesh}")
     for column in ("parameter", "shape", "sharding", "optimizer states"):
         table.add_column(column, overflow="fold")
-    for graph_input in graph.inputs_by_role(Role.PARAM):
-        name = graph_input.value.name
-        table.add_row(name, str(graph_input.value.spec), _sharding(plan.input_shardings[name]),
-                      " ".join(sorted(set(states.get(graph_input.source, [])))))
+    for name, cells in layer_rows(rows):
+        table.add_row(name, *cells)
     console.print(table)
     print_estimate(console, plan)
     print_solver(console, plan)
+
+
+_LAYER_INDEX = re.compile(r"^(.*?\.)(\d+)(\..*)$")
+
+
+def layer_rows(rows: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """``(name, cells)`` rows with the parameters of numbered layers that show the same cells on one row.
+
+    A name's first numbered component is its layer (``model.layers.7.mlp.up_proj.weight``); the names that differ only
+    there and show the same cells become one row, ``model.layers.{0-31}.mlp.up_proj.weight``, at the place of the first.
+    LLaMA-7B's 291 parameters take 12 rows where its 32 layers are sharded alike; a layer sharded otherwise keeps a row
+    of its own (``{0-30}`` and ``{31}``).
+    """
+    groups: dict[tuple, list[int]] = {}
+    order: list[tuple] = []
+    for name, cells in rows:
+        match = _LAYER_INDEX.match(name)
+        key = (name, None, cells) if match is None else (match.group(1), match.group(3), cells)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if match is not None:
+            groups[key].append(int(match.group(2)))
+    result = []
+    for key in order:
+        head, tail, cells = key
+        indices = groups[key]
+        if tail is None:
+            result.append((head, cells))
+        elif len(indices) == 1:
+            result.append((f"{head}{indices[0]}{tail}", cells))
+        else:
+            result.append((f"{head}{{{_ranges(indices)}}}{tail}", cells))
+    return result
+
+
+def _ranges(indices: list[int]) -> str:
+    """``0-3,5,7-9`` for [0, 1, 2, 3, 5, 7, 8, 9]."""
+    runs: list[list[int]] = []
+    for index in sorted(set(indices)):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def print_estimate(console: Console, plan) -> None:
