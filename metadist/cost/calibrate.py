@@ -324,10 +324,9 @@ def save_calibration(path: Path, report: Mapping[str, Any], nproc: int) -> None:
     """Write a calibration report to the cache (atomically)."""
     document = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "nproc": nproc,
                 "fingerprint": machine_fingerprint(), "torch": _torch_version(), "report": dict(report)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(document, indent=1))
-    os.replace(temporary, path)
+    from ..cli.common import write_atomically
+
+    write_atomically(path, json.dumps(document, indent=1))
 
 
 def load_calibration(path: Path) -> dict[str, Any] | None:
