@@ -86,6 +86,8 @@ def _source_piece(whole, sharding, mesh, coords):
 
 def _mlp_plans(mesh, device_mesh, plan_inputs: dict) -> dict:
     """Two SGD steps of the MLP under each plan, compared with the same steps on one device."""
+    import torch
+
     from metadist.frontends.torch import capture_step
     from metadist.lowering import replicate_plan
     from metadist.runtime.check import compare_runs, reference_run
@@ -106,10 +108,19 @@ def _mlp_plans(mesh, device_mesh, plan_inputs: dict) -> dict:
         losses = [float(compiled(model, optimizer, workload.batch)) for _ in range(2)]
         measured = sum(r.bytes for (phase, _, _), r in compiled.comm_records().items() if phase == "step")
         predicted = 2 * sum(nbytes for _, nbytes in compiled.program.predicted_comm().values())
-        report = compare_runs(reference, losses, compiled.state_dict(), compiled.grads())
+        state, grads = compiled.state_dict(), compiled.grads()
+        report = compare_runs(reference, losses, state, grads)
         worst = report.worst()
+        # the check's own gathering: the whole tensors on the first device only, equal to gathering everywhere
+        first = (compiled.state_dict(first_rank_only=True), compiled.grads(first_rank_only=True))
+        if any(compiled.coords):
+            first_rank_only = first == ({}, {})
+        else:
+            first_rank_only = all(mine.keys() == whole.keys() and all(torch.equal(mine[k], whole[k]) for k in whole)
+                                  for mine, whole in zip(first, (state, grads)))
         results[name] = {"ok": report.ok, "worst": (worst.name, worst.max_abs, worst.max_rel),
-                         "measured": measured, "predicted": predicted, "tensors": len(report.differences)}
+                         "measured": measured, "predicted": predicted, "tensors": len(report.differences),
+                         "first_rank_only": first_rank_only}
     return results
 
 
@@ -123,6 +134,7 @@ def _assert_session(results: list[dict], plan_names: list[str]) -> None:
             outcome = result["plans"][name]
             assert outcome["ok"], f"rank {rank}, plan {name}: worst difference {outcome['worst']}"
             assert outcome["measured"] == outcome["predicted"], (rank, name, outcome)
+            assert outcome["first_rank_only"], (rank, name)
         assert result["plans"]["replicate"]["measured"] == 0
         assert all(result["plans"][name]["measured"] > 0 for name in plan_names)
 

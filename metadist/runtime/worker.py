@@ -226,8 +226,9 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.solver_estimate(plan, compiled.comm_records(), len(losses), dist.get_backend())
     report = None
     if reference is not None:
-        report = compare_on_rank_zero(reference, losses, compiled.state_dict(), compiled.grads() if compare_grads else None,
-                                      reporter)
+        # the whole tensors on rank 0 alone, which compares: each piece sent there once
+        report = compare_on_rank_zero(reference, losses, compiled.state_dict(first_rank_only=True),
+                                      compiled.grads(first_rank_only=True) if compare_grads else None, reporter)
     if config.summary_path is not None and env.rank == 0:
         _write_summary(config, workload, parameters, plan, torch_step.graph, losses, report, phase_times)
     if report is not None:
