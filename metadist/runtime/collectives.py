@@ -335,14 +335,19 @@ def local_slice(tensor: torch.Tensor, dim: int, coordinate: int, parts: int) -> 
     return tensor.narrow(dim, start, length).clone()
 
 
-def take_bounds(tensor: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """The block of ``tensor`` at ``(offset, length)`` per dim (:func:`metadist.lowering.local_bounds`), as its own contiguous copy."""
+def bounds_view(tensor: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The view of ``tensor`` at ``(offset, length)`` per dim (:func:`metadist.lowering.local_bounds`)."""
     if len(bounds) != tensor.dim():
         raise ValueError(f"bounds for {len(bounds)} dims given for a tensor of shape {tuple(tensor.shape)}")
     for dim, (offset, length) in enumerate(bounds):
         if (offset, length) != (0, tensor.shape[dim]):
             tensor = tensor.narrow(dim, offset, length)
-    return tensor.clone()
+    return tensor
+
+
+def take_bounds(tensor: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """:func:`bounds_view`'s block as its own contiguous copy."""
+    return bounds_view(tensor, bounds).clone()
 
 
 def pad_to(tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

@@ -33,9 +33,9 @@ from ..frontends.torch.precision import SUBNORMAL_METRIC, underflow_warning
 from ..frontends.torch.scaler import scaler_settings, scaler_state, write_scaler_state
 from ..ir import Replicate, Role, Shard
 from ..ir.plan import Plan
-from ..lowering import ProgramInput, RankProgram, local_bounds, lower, plan_resharding
+from ..lowering import ProgramInput, RankProgram, local_bounds, lower, mesh_coordinates, plan_resharding
 from .checkpoint import dtensor_placements
-from .collectives import Collectives, run_steps, take_bounds
+from .collectives import Collectives, bounds_view, run_steps, take_bounds
 from .errors import RunInputError, RuntimeSetupError
 from .graph_module import CheckingInterpreter, FirstRunProbe, apply_first_run, build_rank_module
 from .host_memory import keep_freed_host_memory
@@ -407,11 +407,8 @@ class CompiledStep:
         them, every other rank returns ``{}`` (:meth:`_gather_to_first`): what a check that compares on one rank needs.
         """
         self._require_state()
-        items = [(name, self._binding.read(name), name, self._program_inputs[name].sharding)
-                 for name, slot in self._slots.items() if slot.kind in _STATE_KINDS]
-        if first_rank_only:
-            return self._gather_to_first(items)
-        return {key: self._gather(local, value_name, sharding) for key, local, value_name, sharding in items}
+        return self._wholes([(name, self._binding.read(name), name, self._program_inputs[name].sharding)
+                             for name, slot in self._slots.items() if slot.kind in _STATE_KINDS], first_rank_only)
 
     def sharded_state_dict(self) -> dict:
         """Parameters, buffers and optimizer states as DTensors over this rank's shards (no copy, no collective)."""
@@ -440,6 +437,11 @@ class CompiledStep:
             if graph_output.role is Role.GRAD:
                 name = graph_output.source.removeprefix("grad:")
                 items.append((name, self._grads[name], graph_output.name, program_output.sharding))
+        return self._wholes(items, first_rank_only)
+
+    def _wholes(self, items: list[tuple[str, torch.Tensor, str, tuple]], first_rank_only: bool) -> dict[str, torch.Tensor]:
+        """``{key: whole tensor}`` of ``(key, local shard, value name, sharding)`` items: on every rank, or on the first
+        device alone (:meth:`_gather_to_first`)."""
         if first_rank_only:
             return self._gather_to_first(items)
         return {key: self._gather(local, value_name, sharding) for key, local, value_name, sharding in items}
@@ -470,9 +472,9 @@ class CompiledStep:
                     result[key] = local
                 continue
             shape = tuple(self.torch_step.graph.value(value_name).spec.shape)
-            split = [axis for axis, placement in enumerate(sharding) if isinstance(placement, Shard)]
-            holders = [tuple(index.get(axis, 0) for axis in range(len(first)))
-                       for index in _axis_indices(split, mesh.shape)]
+            # the ranks at coordinate 0 of every axis the value is replicated over hold its pieces, each once
+            holders = [coords for coords in (mesh_coordinates(mesh, rank) for rank in range(mesh.size))
+                       if all(c == 0 for c, placement in zip(coords, sharding) if isinstance(placement, Replicate))]
             if not here:
                 if self.coords in holders and local.numel():
                     sends.append(torch.distributed.isend(local.contiguous(), dst=destination))
@@ -484,13 +486,13 @@ class CompiledStep:
                 if any(length == 0 for _, length in bounds):
                     continue
                 if coords == first:
-                    _block(whole, bounds).copy_(local)
+                    bounds_view(whole, bounds).copy_(local)
                     continue
                 piece = torch.empty(tuple(length for _, length in bounds), dtype=local.dtype, device=local.device)
                 received.append((bounds, piece, torch.distributed.irecv(piece, src=int(self.device_mesh.mesh[coords]))))
             for bounds, piece, work in received:
                 work.wait()
-                _block(whole, bounds).copy_(piece)
+                bounds_view(whole, bounds).copy_(piece)
             result[key] = whole
         for work in sends:
             work.wait()
@@ -508,21 +510,6 @@ class CompiledStep:
     def _require_state(self) -> None:
         if self._binding is None:
             raise RunInputError("the compiled step holds no state yet: call it once with (model, optimizer, batch)")
-
-
-def _block(tensor: torch.Tensor, bounds) -> torch.Tensor:
-    """The view of ``tensor`` at ``(offset, length)`` per dim."""
-    for dim, (offset, length) in enumerate(bounds):
-        tensor = tensor.narrow(dim, offset, length)
-    return tensor
-
-
-def _axis_indices(axes: list[int], shape: tuple[int, ...]) -> list[dict[int, int]]:
-    """Every assignment of a coordinate to each of ``axes`` (row-major over ``shape``'s sizes)."""
-    found: list[dict[int, int]] = [{}]
-    for axis in axes:
-        found = [{**index, axis: coordinate} for index in found for coordinate in range(shape[axis])]
-    return found
 
 
 def local_batch_is_own_piece(sharding: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:

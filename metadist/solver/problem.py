@@ -529,7 +529,6 @@ class _Pricing:
             reader.share = max(reader.share, share)
             order.append((reader, share))
         p_list, every_source = tuple(p_index), tuple(range(len(p_index)))
-        known = self.prices.setdefault((spec, p_list, limited), {})  # hashing p_list once, not once per target
         for target in dict.fromkeys(q for reader in distinct.values() for q in reader.index):
             needing = [r for r in distinct.values() if target in r.index]
             if all(r.cls == a for r in needing):  # tied to the producer: only the sources its strategies pair with target
@@ -544,12 +543,12 @@ class _Pricing:
             if len(needing) == 1:  # one reader: each source's price on its term, no sharing to find
                 reader = needing[0]
                 qi = reader.index[target]
-                for _, seconds, pi in self._prices(known, spec, p_list, limited, target, shares, wanted):
+                for _, seconds, pi in self._prices(spec, p_list, limited, target, shares, wanted):
                     term = self._term(a, p_label, p_strategies, pi, reader, qi)
                     if term is not None:
                         self._pay(count * seconds, term)
                 continue
-            for share, seconds, pi in self._prices(known, spec, p_list, limited, target, shares, wanted):
+            for share, seconds, pi in self._prices(spec, p_list, limited, target, shares, wanted):
                 terms = set()
                 for reader in needing:
                     if reader.share >= share:
@@ -559,12 +558,11 @@ class _Pricing:
                 if terms:
                     self._charge(count * seconds, terms, a, p_strategies[pi])
 
-    def _prices(self, known: dict, spec, p_list: tuple, limited: bool, target, shares: tuple,
-                wanted) -> list[tuple[float, float, int]]:
+    def _prices(self, spec, p_list: tuple, limited: bool, target, shares: tuple, wanted) -> list[tuple[float, float, int]]:
         """(share tier, seconds, source label) of each resharding of ``spec`` from a source in ``wanted`` to ``target`` that
-        costs something, per tier of readers with at least that share (kept per producer layout and target in ``known``,
-        ``self.prices[(spec, p_list, limited)]``: tied layers repeat them)."""
-        sources = known.setdefault((target, shares), {})
+        costs something, per tier of readers with at least that share (kept per producer layout and target: tied
+        layers repeat them)."""
+        sources = self.prices.setdefault((spec, p_list, limited), {}).setdefault((target, shares), {})
         found = []
         for pi in wanted:
             tiers = sources.get(pi)
