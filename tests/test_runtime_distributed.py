@@ -90,8 +90,14 @@ def _mlp_plans(mesh, device_mesh, plan_inputs: dict) -> dict:
 
     from metadist.frontends.torch import capture_step
     from metadist.lowering import replicate_plan
+    import math
+    from dataclasses import replace
+
     from metadist.runtime.check import compare_runs, reference_run
+    from metadist.runtime.errors import CheckError
+    from metadist.runtime.report import Reporter
     from metadist.runtime.step import CompiledStep
+    from metadist.runtime.worker import ON_RANK_ZERO, compare_on_rank_zero
     from metadist.workloads import builtin_workload
 
     workload = builtin_workload("mlp", optimizer="sgd")
@@ -118,9 +124,24 @@ def _mlp_plans(mesh, device_mesh, plan_inputs: dict) -> dict:
         else:
             first_rank_only = all(mine.keys() == whole.keys() and all(torch.equal(mine[k], whole[k]) for k in whole)
                                   for mine, whole in zip(first, (state, grads)))
+        # the check as `metadist run` makes it: the whole tensors gathered to the first device one at a time as it
+        # compares them, the same report; a comparison stopped by an error still takes every rank's pieces
+        mine = reference if not any(compiled.coords) else ON_RANK_ZERO
+        streamed = compare_on_rank_zero(mine, losses, compiled.state_one_by_one(), compiled.grads_one_by_one(),
+                                        Reporter(enabled=False))
+        streamed_same = streamed is None if any(compiled.coords) else streamed.differences == report.differences
+        short = mine if mine is ON_RANK_ZERO else replace(reference, state=dict(list(reference.state.items())[1:]))
+        try:
+            compare_on_rank_zero(short, losses, compiled.state_one_by_one(), compiled.grads_one_by_one(),
+                                 Reporter(enabled=False))
+            refused = any(compiled.coords)
+        except CheckError as err:
+            refused = "different state tensors" in str(err)
+        after = [float(compiled(model, optimizer, workload.batch))]  # the ranks' collectives still in step
         results[name] = {"ok": report.ok, "worst": (worst.name, worst.max_abs, worst.max_rel),
                          "measured": measured, "predicted": predicted, "tensors": len(report.differences),
-                         "first_rank_only": first_rank_only}
+                         "first_rank_only": first_rank_only, "streamed": streamed_same, "refused": refused,
+                         "after": math.isfinite(after[0])}
     return results
 
 
@@ -135,6 +156,7 @@ def _assert_session(results: list[dict], plan_names: list[str]) -> None:
             assert outcome["ok"], f"rank {rank}, plan {name}: worst difference {outcome['worst']}"
             assert outcome["measured"] == outcome["predicted"], (rank, name, outcome)
             assert outcome["first_rank_only"], (rank, name)
+            assert outcome["streamed"] and outcome["refused"] and outcome["after"], (rank, name, outcome)
         assert result["plans"]["replicate"]["measured"] == 0
         assert all(result["plans"][name]["measured"] > 0 for name in plan_names)
 

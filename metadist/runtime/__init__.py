@@ -8,7 +8,7 @@
 - :mod:`.worker`: the per-rank entry point ``metadist run`` launches through torchrun
 """
 
-from .check import CheckReport, Difference, ReferenceRun, Tolerance, compare_runs, reference_run
+from .check import CheckReport, Difference, ReferenceRun, TensorStream, Tolerance, compare_runs, reference_run
 from .collectives import Collectives, CommRecord
 from .env import TorchrunEnv, read_torchrun_env
 from .errors import USER_ERRORS, CheckError, LocalOpError, RunInputError, RuntimeSetupError

@@ -67,7 +67,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -76,7 +76,7 @@ from ..frontends.torch.materialize import has_meta_tensors, materialize
 from ..ir import Role
 from .errors import CheckError
 
-__all__ = ["TOLERANCES", "Tolerance", "Difference", "CheckReport", "ReferenceRun", "compare_runs", "reference_run",
+__all__ = ["TOLERANCES", "Tolerance", "Difference", "CheckReport", "ReferenceRun", "TensorStream", "compare_runs", "reference_run",
            "tolerance_for_graph"]
 
 
@@ -290,17 +290,31 @@ def _restore_scaler(scaler: Any, start: dict) -> None:
         write_scaler_state(scaler, key, tensor)
 
 
+@dataclass(frozen=True)
+class TensorStream:
+    """Named tensors handed over one at a time: a distributed run's whole tensors gathered one by one
+    (:meth:`metadist.runtime.CompiledStep.state_one_by_one`), so that the comparison holds one at a time."""
+
+    names: frozenset[str]
+    """Every name ``pairs`` yields, known before any tensor is made."""
+    pairs: Iterator[tuple[str, torch.Tensor]]
+    """``(name, tensor)``, each once; made when asked for, so a consumer lets each go before asking for the next."""
+
+
 def compare_runs(
     reference: ReferenceRun,
     losses: list[float],
-    state: Mapping[str, torch.Tensor],
-    grads: Mapping[str, torch.Tensor] | None,
+    state: Mapping[str, torch.Tensor] | TensorStream,
+    grads: Mapping[str, torch.Tensor] | TensorStream | None,
     tolerance: Tolerance | None = None,
 ) -> CheckReport:
     """Compare a distributed run with the reference: every loss, gradient and state tensor.
 
     ``grads=None`` compares no gradients (a plan made for the step without gradient outputs).
     ``tolerance``: None takes the reference's (by the dtypes its step computes in).
+    ``state`` and ``grads`` may come one tensor at a time (:class:`TensorStream`): each is compared and let go
+    before the next is asked for, the gradients first (their differences set the state's noise floor), then the
+    state; both streams are run to their end.
     """
     tolerance = reference.tolerance if tolerance is None else tolerance
     differences = [
@@ -309,26 +323,38 @@ def compare_runs(
     ]
     if len(losses) != len(reference.losses):
         raise CheckError(f"the distributed run has {len(losses)} losses, the reference {len(reference.losses)}")
-    compared = [("state", state, reference.state)]
+    compared = [("state", _names(state), reference.state)]
     if grads is not None:
-        compared.append(("grad", grads, reference.grads))
-    else:
-        grads = {}
-    for kind, got_all, want_all in compared:
-        missing = sorted(set(want_all) ^ set(got_all))
+        compared.append(("grad", _names(grads), reference.grads))
+    for kind, got_names, want_all in compared:
+        missing = sorted(set(want_all) ^ got_names)
         if missing:
             raise CheckError(f"the runs hold different {kind} tensors: {missing[:5]} in only one of them")
-    grad_differences = [_difference(f"grad:{name}", grads[name], reference.grads[name], tolerance, rounding=reference.rounding)
-                        for name in sorted(grads)]
+    grad_differences = []
+    for name, got in _pairs(grads) if grads is not None else ():
+        grad_differences.append(_difference(f"grad:{name}", got, reference.grads[name], tolerance, rounding=reference.rounding))
+        del got  # let it go before the next one is made
+    grad_differences.sort(key=lambda difference: difference.name)
     noise_floor = tolerance.noise_factor * max((d.max_abs for d in grad_differences), default=0.0)
     differences += grad_differences
-    for name in sorted(reference.state):
+    state_differences = []
+    for name, got in _pairs(state):
         # params only: optimizer states and buffers are held to the tolerance
         gradient = reference.smallest_grads.get(name, reference.grads.get(name))
         noise = None if gradient is None else (lambda gradient=gradient: gradient.detach().cpu().abs() <= noise_floor)
-        differences.append(_difference(f"state:{name}", state[name], reference.state[name], tolerance, noise,
-                                       rounding=reference.rounding))
+        state_differences.append(_difference(f"state:{name}", got, reference.state[name], tolerance, noise,
+                                             rounding=reference.rounding))
+        del got
+    differences += sorted(state_differences, key=lambda difference: difference.name)
     return CheckReport(tuple(differences), tolerance)
+
+
+def _names(tensors: Mapping[str, torch.Tensor] | TensorStream) -> frozenset[str]:
+    return tensors.names if isinstance(tensors, TensorStream) else frozenset(tensors)
+
+
+def _pairs(tensors: Mapping[str, torch.Tensor] | TensorStream) -> Iterator[tuple[str, torch.Tensor]]:
+    return tensors.pairs if isinstance(tensors, TensorStream) else iter(sorted(tensors.items(), key=lambda item: item[0]))
 
 
 def _difference(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: Tolerance,

@@ -226,9 +226,9 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     reporter.solver_estimate(plan, compiled.comm_records(), len(losses), dist.get_backend())
     report = None
     if reference is not None:
-        # the whole tensors on rank 0 alone, which compares: each piece sent there once
-        report = compare_on_rank_zero(reference, losses, compiled.state_dict(first_rank_only=True),
-                                      compiled.grads(first_rank_only=True) if compare_grads else None, reporter)
+        # the whole tensors on rank 0 alone, which compares them one at a time: each piece sent there once
+        report = compare_on_rank_zero(reference, losses, compiled.state_one_by_one(),
+                                      compiled.grads_one_by_one() if compare_grads else None, reporter)
     if config.summary_path is not None and env.rank == 0:
         _write_summary(config, workload, parameters, plan, torch_step.graph, losses, report, phase_times)
     if report is not None:
@@ -280,16 +280,33 @@ def reference_on_rank_zero(config: WorkerConfig, env, run):
 
 
 def compare_on_rank_zero(reference, losses, state, grads, reporter):
-    """Rank 0's comparison of the run with the reference (reported); None on the other ranks. ``state`` and ``grads``
-    are gathered by every rank (collectives) before this."""
+    """Rank 0's comparison of the run with the reference (reported); None on the other ranks.
+
+    ``state`` and ``grads``: whole tensors by name, gathered by every rank (collectives) before this, or
+    :class:`~.check.TensorStream` of them gathered to rank 0 one at a time as it compares (collectives: every rank
+    runs both to their end, the gradients first, as the comparison reads them)."""
     if reference is ON_RANK_ZERO:
+        _run_out(grads, state)
         return None
     from .check import compare_runs
 
-    with local_cores():
-        report = compare_runs(reference, losses, state, grads)
+    try:
+        with local_cores():
+            report = compare_runs(reference, losses, state, grads)
+    finally:
+        _run_out(grads, state)  # what a comparison stopped by an error did not ask for: the other ranks send it
     reporter.check(report)
     return report
+
+
+def _run_out(*streams) -> None:
+    """Each :class:`~.check.TensorStream` among ``streams`` run to its end, in order (its tensors let go)."""
+    from .check import TensorStream
+
+    for stream in streams:
+        if isinstance(stream, TensorStream):
+            for _ in stream.pairs:
+                pass
 
 
 def wait_for_rank_zero(timeout_s: float) -> None:
