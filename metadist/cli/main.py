@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import gc
 import importlib
 import logging
 import os
@@ -25,13 +24,6 @@ COMMAND_MODULES = (
     "metadist.cli.run",
     "metadist.cli.bench",
 )
-
-
-#: Commands whose work is one capture or plan, in a process that ends right after it: run by :func:`console_main`, they
-#: keep Python's cyclic collector off from start to end. Their phases pause it anyway (:mod:`metadist.gc_pause`); turned
-#: back on at the end, its first collection freed the phases' cyclic garbage (~580,000 objects, 0.4 s of the ~11 s of
-#: ``metadist plan llama-7b --mesh 8x8``) just before the process exits, which returns that memory anyway.
-ONE_SHOT_COMMANDS = frozenset({"capture", "plan"})
 
 
 class UsageError(Exception):
@@ -66,13 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
-    """Run one command; ``process_ends``: the process exits when this returns (:func:`console_main`), so a command of
-    :data:`ONE_SHOT_COMMANDS` runs with the cyclic collector off."""
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if process_ends and args.command in ONE_SHOT_COMMANDS:
-        gc.disable()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args) or 0)
@@ -94,7 +82,7 @@ def console_main() -> NoReturn:
     the command leaves through ``os._exit`` once standard output and error are flushed and the ``atexit`` handlers have
     run (logging's flush among them); a failing status leaves through ``sys.exit`` as usual.
     """
-    code = main(process_ends=True)
+    code = main()
     if code != 0:
         sys.exit(code)
     sys.stdout.flush()
