@@ -172,6 +172,43 @@ def test_check_tolerances_and_report():
         compare_runs(reference, [1.0], {"v": torch.zeros(3)}, reference.grads)
 
 
+def test_check_compares_tensors_that_come_one_at_a_time_gradients_first_and_runs_them_out_on_an_error():
+    import weakref
+
+    from metadist.runtime.check import TensorStream
+
+    reference = ReferenceRun((1.0,), {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])},
+                             {"w": torch.tensor([0.5, 1e-9]), "b": torch.tensor([0.25])})
+    state = {"w": torch.tensor([1.0, 2.001]), "b": torch.tensor([3.0])}
+    grads = {"w": torch.tensor([0.5, 2e-9]), "b": torch.tensor([0.25])}
+    order: list[str] = []
+    held: list[bool] = []  # per tensor after the first: whether the one before it was still alive when it was made
+
+    def stream(kind, tensors):
+        def pairs():
+            previous = None
+            for name in ("w", "b"):  # not sorted: the report orders its differences itself
+                held.append(previous is not None and previous() is not None)
+                tensor = tensors[name].clone()
+                previous = weakref.ref(tensor)
+                order.append(f"{kind}:{name}")
+                yield name, tensor
+                del tensor
+        return TensorStream(frozenset(tensors), pairs())
+
+    whole = compare_runs(reference, [1.0], state, grads)
+    streamed = compare_runs(reference, [1.0], stream("state", state), stream("grad", grads))
+    assert streamed.differences == whole.differences and streamed.ok  # the noise floor from the gradients, as whole
+    assert order == ["grad:w", "grad:b", "state:w", "state:b"]
+    assert held == [False] * 4  # each let go before the next was made
+    # a comparison stopped by an error still runs both streams to their end (other ranks are sending them)
+    order.clear()
+    short = ReferenceRun((1.0,), {"w": reference.state["w"]}, reference.grads)
+    with pytest.raises(CheckError, match="different state tensors"):
+        compare_runs(short, [1.0], stream("state", state), stream("grad", grads))
+    assert order == ["grad:w", "grad:b", "state:w", "state:b"]
+
+
 def test_check_compares_integers_float64_and_float32_to_the_tolerance():
     grads = {"w": torch.tensor([0.5, 0.5])}
     counter = ReferenceRun((1.0,), {"step": torch.tensor(12, dtype=torch.int64), "w": torch.ones(2)}, grads)

@@ -76,7 +76,7 @@ from ..frontends.torch.materialize import has_meta_tensors, materialize
 from ..ir import Role
 from .errors import CheckError
 
-__all__ = ["TOLERANCES", "Tolerance", "Difference", "CheckReport", "ReferenceRun", "TensorStream", "compare_runs", "reference_run",
+__all__ = ["TOLERANCES", "Tolerance", "Difference", "CheckReport", "ReferenceRun", "TensorStream", "compare_runs", "reference_run", "run_out",
            "tolerance_for_graph"]
 
 
@@ -314,8 +314,24 @@ def compare_runs(
     ``tolerance``: None takes the reference's (by the dtypes its step computes in).
     ``state`` and ``grads`` may come one tensor at a time (:class:`TensorStream`): each is compared and let go
     before the next is asked for, the gradients first (their differences set the state's noise floor), then the
-    state; both streams are run to their end.
+    state; both streams are run to their end, also when the comparison stops on an error (:func:`run_out`).
     """
+    try:
+        return _compare(reference, losses, state, grads, tolerance)
+    finally:
+        run_out(grads, state)
+
+
+def run_out(*streams: Any) -> None:
+    """Each :class:`TensorStream` among ``streams`` run to its end, in order, its tensors let go; anything else is
+    skipped. What a rank that does not compare runs in step with the one that does (the gathering is collective)."""
+    for stream in streams:
+        if isinstance(stream, TensorStream):
+            for _ in stream.pairs:
+                pass
+
+
+def _compare(reference: ReferenceRun, losses: list[float], state, grads, tolerance: Tolerance | None) -> CheckReport:
     tolerance = reference.tolerance if tolerance is None else tolerance
     differences = [
         _difference(f"loss[{step}]", torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), tolerance, rounding=reference.rounding)

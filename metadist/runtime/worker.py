@@ -285,28 +285,15 @@ def compare_on_rank_zero(reference, losses, state, grads, reporter):
     ``state`` and ``grads``: whole tensors by name, gathered by every rank (collectives) before this, or
     :class:`~.check.TensorStream` of them gathered to rank 0 one at a time as it compares (collectives: every rank
     runs both to their end, the gradients first, as the comparison reads them)."""
-    if reference is ON_RANK_ZERO:
-        _run_out(grads, state)
-        return None
-    from .check import compare_runs
+    from .check import compare_runs, run_out
 
-    try:
-        with local_cores():
-            report = compare_runs(reference, losses, state, grads)
-    finally:
-        _run_out(grads, state)  # what a comparison stopped by an error did not ask for: the other ranks send it
+    if reference is ON_RANK_ZERO:
+        run_out(grads, state)
+        return None
+    with local_cores():
+        report = compare_runs(reference, losses, state, grads)
     reporter.check(report)
     return report
-
-
-def _run_out(*streams) -> None:
-    """Each :class:`~.check.TensorStream` among ``streams`` run to its end, in order (its tensors let go)."""
-    from .check import TensorStream
-
-    for stream in streams:
-        if isinstance(stream, TensorStream):
-            for _ in stream.pairs:
-                pass
 
 
 def wait_for_rank_zero(timeout_s: float) -> None:
