@@ -25,6 +25,7 @@ def test_plan_prints_parameters_estimate_and_writes_json(tmp_path, rules_db, cap
     assert "addmm: chose" in text or "single strategy" in text
     plan = Plan.from_json(out.read_text())
     assert plan.mesh.shape == (2, 2) and plan.estimate["step_s"] > 0
+    assert plan.solver["explain"]  # a plan file explains itself (without --json or --explain none is worked out)
 
 
 def test_infeasible_budget_is_a_clear_user_error(rules_db, capsys):

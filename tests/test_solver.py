@@ -170,6 +170,21 @@ def test_explain_names_the_runner_up():
     assert "sharding" in explain(plan, "layers.0.w1")
 
 
+def test_a_plan_made_without_its_explanations_is_the_same_plan_and_says_so_when_asked():
+    graph, rules = mlp_step(2048, 1024, 4096, layers=2)
+    cluster = cluster_for("h100-ib", Mesh((2, 4)))
+    explained, bare = plan_graph(graph, rules, cluster), plan_graph(graph, rules, cluster, explain=False)
+    assert explained.solver["explain"] and "explain" not in bare.solver and "explain_s" not in bare.solver
+    explained_data = _without_timings(explained)
+    del explained_data["solver"]["explain"]
+    assert _without_timings(bare) == explained_data
+    with pytest.raises(SolverError, match="made without its explanations"):
+        explain(bare, "layers.0.w1")
+    baseline = baseline_plan(graph, rules, cluster, "zero3", explain=False)
+    assert "explain" not in baseline.solver
+    assert baseline.node_strategies == baseline_plan(graph, rules, cluster, "zero3").node_strategies
+
+
 def test_explanations_price_each_class_on_its_own_edges_as_on_all_of_them():
     """The explanation looks up each class's edges once (a scan of every edge per class took 0.3 s on LLaMA-7B 8x8);
     each class's costs are the same as when every edge is scanned."""

@@ -92,16 +92,18 @@ def run(args: argparse.Namespace) -> int:
         graph, rules = capture_and_discover(args.model, args.rules_db, policy,  # marks "discovery"
                                             expert_capacity_factor=args.expert_capacity_factor)
         enter("solve")
+        # why each node got its strategy is worked out only where it is shown or kept (--explain, --json)
         plan = plan_graph(graph, rules, cluster, memory_budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit,
-                          reduce_dtype=reduce_dtype)
+                          reduce_dtype=reduce_dtype, explain=bool(args.explain or args.json))
         plans = {"metadist": plan}
         if args.baselines:
             enter("baselines")
-            plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit, reduce_dtype=reduce_dtype)
+            plans.update({kind: baseline_plan(graph, rules, cluster, kind, args.time_limit, reduce_dtype=reduce_dtype,
+                                              explain=False)
                           for kind in ("dp", "zero2", "zero3", "megatron")})
             if recompute_layers(graph):  # full activation checkpointing, as ZeRO-3 users switch it on
                 plans["zero3+recompute"] = baseline_plan(graph, rules, cluster, "zero3", args.time_limit,
-                                                         reduce_dtype=reduce_dtype, recompute=True)
+                                                         reduce_dtype=reduce_dtype, recompute=True, explain=False)
     console = Console()
     print_plan(console, graph, plan)
     if args.baselines:

@@ -89,13 +89,15 @@ def baseline_choices(problem: Any, kind: str) -> dict[int, frozenset[int]] | Non
 
 
 def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_limit_s: float = 60.0,
-                  uneven_shards: bool = True, reduce_dtype: str | None = None, recompute: bool = False) -> Plan:
+                  uneven_shards: bool = True, reduce_dtype: str | None = None, recompute: bool = False,
+                  explain: bool = True) -> Plan:
     """The ``kind`` baseline (one of :data:`BASELINES`), planned without a memory budget.
 
     Graph inputs start evenly split, as the baselines' systems split them; ``uneven_shards`` lets the
     solver split the nodes in between unevenly (False: even splits only, see :func:`plan_graph`).
     ``recompute``: every repeated layer recomputes its forward (full activation checkpointing, as FSDP or
     DeepSpeed users switch it on); the plan records them (``Plan.recompute``) and is named ``<kind>+recompute``.
+    ``explain``: as :func:`~.planner.plan_graph`'s.
     """
     if kind not in BASELINES:
         raise SolverError(f"unknown baseline {kind!r}; choose one of {BASELINES}")
@@ -116,7 +118,7 @@ def baseline_plan(graph: Graph, rules: Any, cluster: Cluster, kind: str, time_li
                                                                        for name in without}})
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=time_limit_s,
                       restrictions=_restrictions(graph, cluster.mesh, kind), uneven_shards=uneven_shards,
-                      reduce_dtype=reduce_dtype)
+                      reduce_dtype=reduce_dtype, explain=explain)
     return replace(plan, solver={**plan.solver, "kind": f"{kind}+recompute" if recompute else kind}, recompute=layers)
 
 

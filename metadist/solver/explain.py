@@ -98,7 +98,10 @@ def _describe(strategy) -> str:
 
 def explain(plan: Plan, name: str) -> str:
     """Why node (or graph input) ``name`` got its strategy, and what the runner-up would cost."""
-    records = plan.solver.get("explain", {})
+    records = plan.solver.get("explain")
+    if records is None:
+        raise SolverError(f"plan {plan.graph_name!r} was made without its explanations (plan_graph(..., explain=False)); "
+                          "plan it again with explain=True (`metadist plan --explain NODE`, or --json FILE to keep them)")
     if name not in records:
         if name in plan.node_strategies or name in plan.input_shardings:
             return f"{name}: a single strategy was possible (no rule, a scalar, or a follower that just takes its input's sharding)"
