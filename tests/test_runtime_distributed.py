@@ -118,7 +118,7 @@ def _mlp_plans(mesh, device_mesh, plan_inputs: dict) -> dict:
         report = compare_runs(reference, losses, state, grads)
         worst = report.worst()
         # the check's own gathering: the whole tensors on the first device only, equal to gathering everywhere
-        first = (compiled.state_dict(first_rank_only=True), compiled.grads(first_rank_only=True))
+        first = (dict(compiled.state_one_by_one().pairs), dict(compiled.grads_one_by_one().pairs))
         if any(compiled.coords):
             first_rank_only = first == ({}, {})
         else:

@@ -401,16 +401,13 @@ class CompiledStep:
         with self.comm.counting_as("boundary"):
             return run_steps(self.comm, local, steps)
 
-    def state_dict(self, first_rank_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full tensors of every parameter, buffer and optimizer state, by graph input name (collective).
-
-        ``first_rank_only``: only the mesh's first device (every coordinate 0: rank 0 under ``metadist run``) receives
-        them, every other rank returns ``{}`` (:meth:`_gather_to_first`): what a check that compares on one rank needs.
-        """
-        return self._wholes(self._state_items(), first_rank_only)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every parameter, buffer and optimizer state, by graph input name (collective)."""
+        return self._wholes(self._state_items())
 
     def state_one_by_one(self) -> TensorStream:
-        """:meth:`state_dict` on the first device, one whole tensor at a time (see :meth:`_each_to_first`)."""
+        """:meth:`state_dict` on the mesh's first device alone (every coordinate 0: rank 0 under ``metadist run``), one
+        whole tensor at a time, what a check that compares on one rank needs (see :meth:`_each_to_first`)."""
         return self._stream(self._state_items())
 
     def _state_items(self) -> list[tuple[str, torch.Tensor, str, tuple]]:
@@ -436,14 +433,12 @@ class CompiledStep:
 
         load_checkpoint(self, path)
 
-    def grads(self, first_rank_only: bool = False) -> dict[str, torch.Tensor]:
-        """Full gradients of the last step by parameter name (captured with ``keep_grads=True``; collective).
-
-        ``first_rank_only``: as :meth:`state_dict`'s."""
-        return self._wholes(self._grad_items(), first_rank_only)
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the last step by parameter name (captured with ``keep_grads=True``; collective)."""
+        return self._wholes(self._grad_items())
 
     def grads_one_by_one(self) -> TensorStream:
-        """:meth:`grads` on the first device, one whole tensor at a time (see :meth:`_each_to_first`)."""
+        """:meth:`grads` as :meth:`state_one_by_one` hands the state over."""
         return self._stream(self._grad_items())
 
     def _grad_items(self) -> list[tuple[str, torch.Tensor, str, tuple]]:
@@ -454,20 +449,12 @@ class CompiledStep:
                 items.append((name, self._grads[name], graph_output.name, program_output.sharding))
         return items
 
-    def _wholes(self, items: list[tuple[str, torch.Tensor, str, tuple]], first_rank_only: bool) -> dict[str, torch.Tensor]:
-        """``{key: whole tensor}`` of ``(key, local shard, value name, sharding)`` items: on every rank, or on the first
-        device alone (:meth:`_gather_to_first`)."""
-        if first_rank_only:
-            return self._gather_to_first(items)
+    def _wholes(self, items: list[tuple[str, torch.Tensor, str, tuple]]) -> dict[str, torch.Tensor]:
+        """``{key: whole tensor}`` of ``(key, local shard, value name, sharding)`` items, on every rank."""
         return {key: self._gather(local, value_name, sharding) for key, local, value_name, sharding in items}
 
     def _stream(self, items: list[tuple[str, torch.Tensor, str, tuple]]) -> TensorStream:
         return TensorStream(frozenset(key for key, *_ in items), self._each_to_first(items))
-
-    def _gather_to_first(self, items: list[tuple[str, torch.Tensor, str, tuple]]) -> dict[str, torch.Tensor]:
-        """``{key: whole tensor}`` of ``(key, local shard, value name, sharding)`` items on the mesh's first device,
-        ``{}`` on the others (collective: every rank calls it with the same items; :meth:`_each_to_first`, all held)."""
-        return dict(self._each_to_first(items))
 
     def _each_to_first(self, items: list[tuple[str, torch.Tensor, str, tuple]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, whole tensor)`` of each ``(key, local shard, value name, sharding)`` item on the mesh's first device,
