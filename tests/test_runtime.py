@@ -44,6 +44,25 @@ def test_shard_full_tensor_nests_axes():
     assert zero_partial(whole, 1).abs().sum() == 0 and zero_partial(whole, 0) is whole
 
 
+def test_all_to_all_buffers_equal_chunk_stack_and_cat_and_take_no_copy_along_dim_zero():
+    from metadist.runtime.collectives import all_to_all_pieces, unpack_all_to_all
+
+    whole = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    for tensor in (whole, whole.transpose(0, 2).contiguous().transpose(0, 2)):  # contiguous, and not
+        for k in (2, 4):
+            for dim in range(3):
+                if tensor.shape[dim] % k:
+                    with pytest.raises(ValueError, match="must divide"):
+                        all_to_all_pieces(tensor, k, dim)
+                    continue
+                pieces = all_to_all_pieces(tensor, k, dim)
+                assert pieces.is_contiguous() and torch.equal(pieces, torch.stack(tensor.chunk(k, dim=dim)))
+                # along dim 0 of a contiguous tensor the buffer is the tensor's own memory
+                assert (pieces.data_ptr() == tensor.data_ptr()) == (dim == 0 and tensor.is_contiguous())
+                joined = unpack_all_to_all(pieces, dim)
+                assert joined.is_contiguous() and torch.equal(joined, tensor)
+                assert (joined.data_ptr() == pieces.data_ptr()) == (dim == 0)
+
 def test_random_ops_draw_the_global_tensor_and_keep_the_slice():
     like = torch.empty(4, 6)
     torch.manual_seed(3)

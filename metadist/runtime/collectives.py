@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..lowering import CoalescedReshard, ReshardStep, chunk_bounds, comm_bytes
 
 __all__ = ["Collectives", "CommRecord", "local_slice", "take_bounds", "pad_to", "unpad_to", "zero_partial", "run_steps",
-           "run_coalesced", "unpack_all_reduce", "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all",
+           "run_coalesced", "all_to_all_pieces", "unpack_all_reduce", "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all",
            "apply_halo_step", "halo_trim"]
 
 
@@ -182,10 +182,9 @@ class Collectives(torch.nn.Module):
 
     def all_to_all(self, tensor: torch.Tensor, axis: int, gather_dim: int, split_dim: int) -> torch.Tensor:
         """``Shard(gather_dim) -> Shard(split_dim)`` on one axis: send piece r of ``split_dim`` to rank r."""
-        size = self.axis_sizes[axis]
-        pieces = torch.stack(tensor.chunk(size, dim=split_dim), dim=0).contiguous()  # (k, ..., n_split/k, ...)
+        pieces = all_to_all_pieces(tensor, self.axis_sizes[axis], split_dim)
         received = self.wait_tensor(self._start("all_to_all", pieces, axis))
-        out = torch.cat(received.unbind(0), dim=gather_dim)  # (..., n_gather, ..., n_split/k, ...)
+        out = unpack_all_to_all(received, gather_dim)
         self._record("all_to_all", axis, _nbytes(tensor), _nbytes(out))
         return out
 
@@ -264,8 +263,7 @@ class Collectives(torch.nn.Module):
 
         Returns the received (k, ...) pieces, row r from rank r (:func:`unpack_all_to_all` joins them).
         """
-        size = self.axis_sizes[axis]
-        pieces = torch.stack(tensor.chunk(size, dim=split_dim), dim=0).contiguous()  # (k, ..., n_split/k, ...)
+        pieces = all_to_all_pieces(tensor, self.axis_sizes[axis], split_dim)
         self._record("all_to_all", axis, _nbytes(tensor), _nbytes(tensor))
         return self._start("all_to_all", pieces, axis)
 
@@ -324,9 +322,25 @@ def unpack_reduce_scatter(reduced: torch.Tensor, shapes: Sequence[tuple[int, ...
     return unpack_all_reduce(reduced, shapes)
 
 
+def all_to_all_pieces(tensor: torch.Tensor, k: int, split_dim: int) -> torch.Tensor:
+    """The contiguous (k, ...) buffer an all-to-all sends: row r is piece r of ``tensor`` along ``split_dim`` (the
+    pieces ``torch.chunk`` cuts; ``split_dim``'s size is a multiple of ``k``, as the lowering pads it).
+
+    Along dim 0 of a contiguous tensor the rows are the tensor's own memory, viewed (k, n/k, ...): no copy."""
+    if tensor.shape[split_dim] % k:
+        raise ValueError(f"all-to-all of dim {split_dim} of size {tensor.shape[split_dim]} over {k} ranks: it must divide")
+    if split_dim == 0:
+        return tensor.contiguous().view(k, tensor.shape[0] // k, *tensor.shape[1:])
+    return torch.stack(tensor.chunk(k, dim=split_dim), dim=0)  # (k, ..., n_split/k, ...), a new contiguous tensor
+
+
 def unpack_all_to_all(received: torch.Tensor, gather_dim: int) -> torch.Tensor:
-    """The received (k, ...) pieces of a waited all-to-all, joined along ``gather_dim``."""
-    return torch.cat(received.unbind(0), dim=gather_dim)  # (..., n_gather, ..., n_split/k, ...)
+    """The received (k, ...) pieces of a waited all-to-all, joined along ``gather_dim`` (row r is rank r's piece).
+
+    Along dim 0 the joined tensor is the received buffer itself, viewed (k * n, ...): no copy."""
+    if gather_dim == 0:
+        return received.flatten(0, 1)  # (k * n_gather, ...): a view of the contiguous buffer
+    return torch.cat(received.unbind(0), dim=gather_dim)  # (..., k * n_gather, ..., n_split/k, ...)
 
 
 def local_slice(tensor: torch.Tensor, dim: int, coordinate: int, parts: int) -> torch.Tensor:
