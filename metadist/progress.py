@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from .files import write_atomically
+
 __all__ = ["ConsoleListener", "PhaseFile", "PhaseListener", "PhaseState", "PhaseTimes", "enter", "listening", "phase"]
 
 
@@ -182,9 +184,7 @@ class PhaseFile:
         self._write(self.names[-1] if self.names else f"after {state.name}")
 
     def _write(self, text: str) -> None:
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        temporary.write_text(text + "\n")
-        os.replace(temporary, self.path)
+        write_atomically(self.path, text + "\n", sync=False)  # rewritten at every phase; a lost name costs nothing
 
 
 class PhaseTimes:

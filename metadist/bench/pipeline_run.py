@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def record(path: Path, row: dict) -> None:
     """Add ``row`` to the rows of the JSON file at ``path`` (the row of the same model, processes and microbatches is
     replaced), written whole or not at all."""
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     rows = json.loads(path.read_text())["rows"] if path.is_file() else []
     key = (row["model"], row["nproc"], row["microbatches"])

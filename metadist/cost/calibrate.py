@@ -324,7 +324,7 @@ def save_calibration(path: Path, report: Mapping[str, Any], nproc: int) -> None:
     """Write a calibration report to the cache (atomically)."""
     document = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "nproc": nproc,
                 "fingerprint": machine_fingerprint(), "torch": _torch_version(), "report": dict(report)}
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     write_atomically(path, json.dumps(document, indent=1))
 

@@ -112,7 +112,7 @@ def load_table(path: Path) -> dict[MatmulKey, float]:
 
 
 def _save_table(path: Path, table: dict[MatmulKey, float]) -> None:
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     document = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
                 "times": [[*key, seconds] for key, seconds in sorted(table.items())]}

@@ -26,6 +26,8 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from ..files import write_atomically
+
 __all__ = ["ExceptionReport", "RankErrorHandler", "UserFrame", "describe_exception", "is_library_file", "is_user_file",
            "phase_file_path", "run_rank", "user_frame"]
 
@@ -104,9 +106,7 @@ class RankErrorHandler(ErrorHandler):
                 },
             }
         }
-        temporary = Path(f"{error_file}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data))
-        os.replace(temporary, error_file)
+        write_atomically(error_file, json.dumps(data))
 
 
 def run_rank(body: Callable[[], int], *, show_phases: bool, listeners: tuple = ()) -> int:

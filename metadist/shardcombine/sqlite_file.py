@@ -15,11 +15,11 @@ import logging
 import os
 import random
 import sqlite3
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
+from .. import files
 from .errors import RuleDatabaseError
 
 try:  # POSIX: serialise the open-time check-and-rebuild between processes
@@ -215,23 +215,12 @@ def retry_locked(operation: Callable[[], _T], path: Path) -> _T:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file in ``path``'s folder, flush it to disk, then rename it over ``path``."""
+    """Write ``text`` whole or not at all (:func:`metadist.files.write_atomically`, flushed to disk before the rename);
+    a file system error is the rule database's error, naming the path."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        files.write_atomically(path, text)
     except OSError as err:
         raise RuleDatabaseError(f"cannot write {str(path)!r}: {err}; choose a writable location") from err
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise RuleDatabaseError(f"cannot write {str(path)!r}: {err}; choose a writable location") from err
-        raise
 
 
 def iso(timestamp: float) -> str:
