@@ -216,8 +216,18 @@ report = compare_runs(reference, losses, step.state_dict(), step.compiled.grads(
 report.raise_if_failed()
 for name, param in workload.model.named_parameters():  # the model holds the updated state, whole
     assert torch.equal(param.detach(), step.state_dict()[name]), name
+# what --check compares: each stage's whole tensors sent to rank 0 one at a time, the same as gathered everywhere
+pipe = step.compiled.step
+everywhere = (pipe.grads(), pipe.state_dict(workload.model, optimizer, workload.batch))
+first = (dict(pipe.grads_one_by_one().pairs), dict(pipe.state_one_by_one(workload.model, optimizer, workload.batch).pairs))
+for mine, whole in zip(first, everywhere):
+    if dist.get_rank() == 0:
+        assert mine.keys() == whole.keys() and len(whole) > 0, (sorted(mine), sorted(whole))
+        assert all(torch.equal(mine[key], whole[key]) for key in whole)
+    else:
+        assert mine == {}, sorted(mine)
 if dist.get_rank() == 0:
-    print("PIPELINE-COMPILED-OK", len(report.differences))
+    print("PIPELINE-COMPILED-OK", len(report.differences), "streamed", sum(len(d) for d in first))
 dist.destroy_process_group()
 from metadist.runtime.setup import exit_process
 exit_process(0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from ..ir.stage_graphs import phase_graphs
 from ..ir.subgraph import extract
 from ..lowering import lower
 from ..solver.pipeline.regions import ANYWHERE_ROLES
+from .check import TensorStream
 from .collectives import Collectives
 from .errors import RunInputError
 from .graph_module import build_rank_module
@@ -444,17 +445,27 @@ class PipelineStep:
     # -- what --check compares --------------------------------------------------------------------
     def state_dict(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> dict[str, torch.Tensor]:
         """Every stage's updated state whole, and the buffers, by graph input name, on every rank (collective)."""
-        mine = {}
-        for name in self.stage.owned:
-            full = self._full(self.local_state[name], self._sharding_in(self.index, name), self.graph.value(name).spec.shape)
-            mine[name] = full.detach().cpu()
-        from ..frontends.torch.microbatch import first_microbatch
+        return self._gather_leads({key: make().detach().cpu() for key, *_, make in self._state_makers(model, optimizer, batch)})
 
-        tensors = self.torch_step.gather_inputs(model, optimizer, first_microbatch(batch, self.plan.microbatches))
-        for slot, tensor in zip(self.torch_step.slots, tensors):
-            if slot.kind == "buffer" and self.index == 0:
-                mine[slot.name] = tensor.detach().cpu()
-        return self._gather_leads(mine)
+    def state_one_by_one(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> TensorStream:
+        """:meth:`state_dict` on rank 0 alone, one whole tensor at a time (see :meth:`_each_to_first`): what
+        ``--check`` compares there."""
+        return self._each_to_first(self._state_makers(model, optimizer, batch))
+
+    def _state_makers(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> list[_Maker]:
+        """This stage's updated state by graph input name (made whole by a collective over the stage's sub-mesh), and
+        the buffers on the first stage."""
+        makers = [self._whole_of(name, self.local_state[name], name) for name in self.stage.owned]
+        if self.index == 0:
+            from ..frontends.torch.microbatch import first_microbatch
+
+            tensors = self.torch_step.gather_inputs(model, optimizer, first_microbatch(batch, self.plan.microbatches))
+            makers += [_held(slot.name, tensor) for slot, tensor in zip(self.torch_step.slots, tensors) if slot.kind == "buffer"]
+        return makers
+
+    def _whole_of(self, key: str, local: torch.Tensor, value: str) -> "_Maker":
+        shape = tuple(self.graph.value(value).spec.shape)
+        return key, shape, local.dtype, lambda: self._full(local, self._sharding_in(self.index, value), shape)
 
     def write_back(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
         """Put every stage's updated state, whole, into ``model`` and ``optimizer`` on every rank (collective).
@@ -476,14 +487,58 @@ class PipelineStep:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient accumulated over the step's microbatches, whole, by parameter name (collective)."""
-        mine = {}
-        for parameter, (value, where) in self.plan.grads.items():
-            if where == self.index and parameter not in self._update_grads:
-                mine[parameter] = self._full(self._grads_local[value], self._sharding_in(self.index, value),
-                                             self.graph.value(value).spec.shape).detach().cpu()
-        for parameter, tensor in self._update_grads.items():
-            mine[parameter] = tensor.detach().cpu()
-        return self._gather_leads(mine)
+        return self._gather_leads({key: make().detach().cpu() for key, *_, make in self._grad_makers()})
+
+    def grads_one_by_one(self) -> TensorStream:
+        """:meth:`grads` as :meth:`state_one_by_one` hands the state over."""
+        return self._each_to_first(self._grad_makers())
+
+    def _grad_makers(self) -> list[_Maker]:
+        makers = [self._whole_of(parameter, self._grads_local[value], value) for parameter, (value, where) in self.plan.grads.items()
+                  if where == self.index and parameter not in self._update_grads]
+        return makers + [_held(parameter, tensor) for parameter, tensor in self._update_grads.items()]
+
+    def _each_to_first(self, makers: list[_Maker]) -> TensorStream:
+        """``(key, whole tensor)`` of every stage's ``makers`` on rank 0, one at a time, stage after stage; nothing on
+        the other ranks (collective: every rank runs the stream to its end).
+
+        The stages' leads first tell every rank their keys, shapes and dtypes (small objects). Then each stage makes
+        its tensors whole in turn (a collective over its sub-mesh) and its lead sends each to rank 0, which receives
+        it into a tensor of its own: rank 0 and every lead hold one whole tensor at a time, where :meth:`state_dict`
+        gives every rank every stage's whole tensors at once.
+        """
+        lead = all(c == 0 for c in self.sub_coords)
+        shown: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shown, (self.index, [(key, shape, dtype) for key, shape, dtype, _ in makers]) if lead else None)
+        order = sorted((entry for entry in shown if entry is not None), key=lambda entry: entry[0])
+        names = frozenset(key for _, stage_keys in order for key, *_ in stage_keys)
+        if len(names) != sum(len(stage_keys) for _, stage_keys in order):
+            raise RunInputError("two pipeline stages name the same tensor for --check; the pipeline plan is inconsistent: "
+                                "plan again")
+        return TensorStream(names, self._pieces_to_first(order, makers))
+
+    def _pieces_to_first(self, order: list[tuple[int, list]], makers: list[_Maker]) -> Iterator[tuple[str, torch.Tensor]]:
+        rank, tag = dist.get_rank(), 1 << 22
+        for stage, stage_keys in order:
+            source, mine = self.lead_rank_of_stage[stage], stage == self.index
+            if mine and [entry[:3] for entry in makers] != list(stage_keys):
+                raise RunInputError(f"the ranks of pipeline stage {stage} would hand --check different tensors; the "
+                                    "pipeline plan is inconsistent: plan again")
+            for index, (key, shape, dtype) in enumerate(stage_keys):
+                whole = None
+                if mine:  # every rank of the stage: making it whole may be a collective over the stage's sub-mesh
+                    whole = makers[index][3]().detach().contiguous()
+                    if tuple(whole.shape) != shape or whole.dtype != dtype:
+                        raise RunInputError(f"stage {stage} made {key} {tuple(whole.shape)} {whole.dtype} for --check, "
+                                            f"not the {shape} {dtype} it announced; the pipeline plan is inconsistent")
+                    if rank == source and source != 0:
+                        dist.send(whole, dst=0, tag=tag | index)
+                if rank == 0:
+                    if source != 0:
+                        whole = torch.empty(shape, dtype=dtype, device=self.device)
+                        dist.recv(whole, src=source, tag=tag | index)
+                    yield key, whole.cpu()
+                del whole
 
     def _gather_leads(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         lead = all(c == 0 for c in self.sub_coords)
@@ -493,6 +548,14 @@ class PipelineStep:
         for part in gathered:
             result.update(part)
         return result
+
+
+_Maker = tuple  # (key, whole shape, dtype, make): ``make()`` returns the whole tensor (collective over the stage's sub-mesh)
+
+
+def _held(key: str, tensor: torch.Tensor) -> _Maker:
+    """A maker of a tensor this rank already holds whole."""
+    return key, tuple(tensor.shape), tensor.dtype, lambda: tensor
 
 
 def _made(graph: Graph, nodes: Sequence[str]) -> set[str]:

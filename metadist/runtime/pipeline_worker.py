@@ -122,8 +122,9 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
                   f"{sum(r.bytes for r in records) / len(losses) / 1e6:.3f} MB on its stage's sub-mesh")
     report = None
     if reference is not None:
-        report = compare_on_rank_zero(reference, losses, step.state_dict(workload.model, optimizer, workload.batch),
-                                      step.grads(), reporter)
+        # one whole tensor at a time, from each stage's lead to rank 0 (every rank runs both streams to their end)
+        report = compare_on_rank_zero(reference, losses, step.state_one_by_one(workload.model, optimizer, workload.batch),
+                                      step.grads_one_by_one(), reporter)
     if config.summary_path is not None and env.rank == 0:
         from pathlib import Path
 
