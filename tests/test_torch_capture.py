@@ -482,3 +482,85 @@ def test_a_mean_cross_entropy_counts_its_targets_from_the_targets_and_matches_ea
         assert torch.equal(graph_loss, eager_loss)
     for eager, graph_param in zip(eager_model.parameters(), graph_model.parameters()):
         assert torch.equal(graph_param, eager)
+
+
+def _functional_as_is(f, *tensors):
+    """``capture._functional_as_is`` on the make_fx trace of ``f`` (fake tensors), with its fake mode."""
+    import importlib
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    capture_module = importlib.import_module("metadist.frontends.torch.capture")
+    traced = make_fx(f, tracing_mode="fake")(*tensors)
+    fake_mode = next(node.meta["val"].fake_mode for node in traced.graph.nodes if node.op == "placeholder")
+    return traced, capture_module._functional_as_is(traced, fake_mode)
+
+
+def test_writes_into_inputs_are_made_functional_without_a_retrace_and_anything_else_keeps_it():
+    def writes(p, q, x):  # reads before the writes, writes in another order than the inputs'
+        total = p.sum() + q.t().sum()
+        q.copy_(x.t() * 3)
+        p.copy_(x * 2)
+        return total
+
+    p, q, x = torch.randn(3, 4), torch.randn(4, 3), torch.randn(3, 4)
+    traced, as_is = _functional_as_is(writes, p, q, x)
+    assert as_is is traced
+    calls = [node for node in as_is.graph.nodes if node.op == "call_function"]
+    inputs = [node for node in as_is.graph.nodes if node.op == "placeholder"]
+    assert [node.target for node in calls].count(torch.ops.aten.copy.default) == 2
+    for write, written in zip(calls[-2:], inputs[:2]):  # one write each at the end, in the inputs' order
+        assert write.target is torch.ops.aten.copy_.default and write.args[0] is written
+        assert write.args[1].target is torch.ops.aten.copy.default and write.args[1].args[0] is written
+    want_p, want_q = p.clone(), q.clone()
+    want = writes(want_p, want_q, x)
+    got_p, got_q = p.clone(), q.clone()
+    got = as_is(got_p, got_q, x)
+    assert torch.equal(got, want) and torch.equal(got_p, want_p) and torch.equal(got_q, want_q)
+
+    def view_read_after_the_write(p, x):
+        rows = p.view(-1)
+        p.copy_(x)
+        return rows.sum()  # sees the written values through the view: functionalization must regenerate it
+
+    def written_twice(p, x):
+        p.copy_(x)
+        p.copy_(x * 2)
+
+    def in_place_on_an_intermediate(p, x):
+        y = x.clone()
+        y.add_(1)
+        p.copy_(y)
+
+    def write_result_read(p, x):
+        return p.copy_(x).sum()
+
+    for refused in (view_read_after_the_write, written_twice, in_place_on_an_intermediate, write_result_read):
+        assert _functional_as_is(refused, torch.randn(3, 4), torch.randn(3, 4))[1] is None, refused.__name__
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "zoo:llama", "mlp", "gpt2-tiny"])
+def test_the_capture_without_a_retrace_gives_the_retraced_graph(name, monkeypatch):
+    """The MetaIR graph, constants, slots and layouts are the re-trace's whether the capture takes the shortcut
+    (llama-tiny, the zoo's LLaMA with SDPA, mlp: only writes into inputs) or not (gpt2-tiny: its dropout masks are
+    made in place)."""
+    import importlib
+
+    from metadist.workloads import load_workload
+
+    capture_module = importlib.import_module("metadist.frontends.torch.capture")
+    taken = []
+    shortcut = capture_module._functional_as_is
+    monkeypatch.setattr(capture_module, "_functional_as_is", lambda *args: taken.append(shortcut(*args)) or taken[-1])
+    steps = []
+    for retrace in (True, False):
+        monkeypatch.setattr(capture_module, "_ALWAYS_RETRACE", retrace)
+        workload = load_workload(name)
+        steps.append(capture_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
+                                  workload.batch))
+    assert (taken[-1] is not None) == (name != "gpt2-tiny")
+    retraced, as_is = steps
+    assert as_is.graph == retraced.graph
+    assert as_is.slots == retraced.slots and as_is.contiguous_values == retraced.contiguous_values
+    assert as_is.constants.keys() == retraced.constants.keys()
+    assert all(torch.equal(as_is.constants[key], retraced.constants[key]) for key in retraced.constants)

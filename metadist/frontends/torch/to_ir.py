@@ -185,7 +185,7 @@ def fx_to_ir(
             slot = slot_of_placeholder[node.args[0]]
             state_outputs.append(GraphOutput(names[node.args[1]], slot.role, replaces=slot.name, source=slot.key))
             continue
-        target, fx_args, fx_kwargs = _as_factory(node) or (node.target, node.args, node.kwargs)
+        target, fx_args, fx_kwargs = _as_factory(node) or (node.target, node.args, _without_none_defaults(node))
         where = f"node {node.name} ({op_target(target)})"
         args = tuple(_encode(arg, names, where) for arg in fx_args)
         kwargs = tuple((key, _encode(arg, names, where)) for key, arg in fx_kwargs.items())
@@ -217,6 +217,17 @@ def fx_to_ir(
     graph = Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name)
     graph, renamed = canonical_names(graph)  # names from the op sequence alone: an expanded capture gets the same ones
     return graph, constants, slots_all, frozenset(renamed.get(value, value) for value in contiguous)
+
+
+def _without_none_defaults(node: torch.fx.Node) -> dict:
+    """``node``'s keyword arguments less those given as None where None is the default: the same call, written one way.
+
+    A trace records an op called from C++ (autograd's backward formulas, functionalization's re-dispatch) with every
+    keyword argument, and the same op called from Python without those left at their defaults: SDPA's CPU backward
+    came with ``attn_mask=None`` from pass 2's re-trace and without it where pass 1's graph is taken as it is."""
+    defaults = {arg.name for arg in node.target._schema.arguments
+                if arg.kwarg_only and arg.has_default_value() and arg.default_value is None}
+    return {key: value for key, value in node.kwargs.items() if not (value is None and key in defaults)}
 
 
 def _as_factory(node: torch.fx.Node) -> tuple[torch._ops.OpOverload, tuple, dict] | None:
