@@ -527,23 +527,51 @@ def test_writes_into_inputs_are_made_functional_without_a_retrace_and_anything_e
         p.copy_(x)
         p.copy_(x * 2)
 
-    def in_place_on_an_intermediate(p, x):
-        y = x.clone()
-        y.add_(1)
-        p.copy_(y)
-
     def write_result_read(p, x):
         return p.copy_(x).sum()
 
-    for refused in (view_read_after_the_write, written_twice, in_place_on_an_intermediate, write_result_read):
+    def in_place_on_a_view(p, x):
+        y = x.clone()
+        y[0].add_(1)  # writes into y through the view
+        p.copy_(y)
+
+    def in_place_on_a_tensor_with_a_view(p, x):
+        y = x.clone()
+        rows = y.view(-1)
+        y.mul_(2)
+        return rows.sum()
+
+    def in_place_on_an_input(p, x):
+        p.add_(x)
+
+    refusals = (view_read_after_the_write, written_twice, write_result_read, in_place_on_a_view,
+                in_place_on_a_tensor_with_a_view, in_place_on_an_input)
+    for refused in refusals:
         assert _functional_as_is(refused, torch.randn(3, 4), torch.randn(3, 4))[1] is None, refused.__name__
+
+
+def test_in_place_ops_on_a_fresh_tensor_become_their_functional_variants_and_later_readers_read_the_result():
+    def chain(p, x):
+        y = x.clone()
+        before = y.sum()  # reads y before the writes: the original values
+        y.mul_(2).add_(x, alpha=3)  # a chain: add_ writes what mul_ returned
+        p.copy_(y)
+        return before + y.sum()  # reads y after them: the result
+
+    p, x = torch.randn(3, 4), torch.randn(3, 4)
+    traced, as_is = _functional_as_is(chain, p, x)
+    assert as_is is traced
+    ops = [node.target for node in as_is.graph.nodes if node.op == "call_function"]
+    assert torch.ops.aten.mul.Tensor in ops and torch.ops.aten.add.Tensor in ops
+    assert [op for op in ops if op._schema.is_mutable] == [torch.ops.aten.copy_.default]
+    want_p, got_p = p.clone(), p.clone()
+    assert torch.equal(as_is(got_p, x), chain(want_p, x)) and torch.equal(got_p, want_p)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "zoo:llama", "mlp", "gpt2-tiny"])
 def test_the_capture_without_a_retrace_gives_the_retraced_graph(name, monkeypatch):
-    """The MetaIR graph, constants, slots and layouts are the re-trace's whether the capture takes the shortcut
-    (llama-tiny, the zoo's LLaMA with SDPA, mlp: only writes into inputs) or not (gpt2-tiny: its dropout masks are
-    made in place)."""
+    """The MetaIR graph, constants, slots and layouts are the re-trace's where the capture takes the shortcut:
+    llama-tiny, the zoo's LLaMA (SDPA) and mlp write only into inputs; gpt2-tiny makes its dropout masks in place."""
     import importlib
 
     from metadist.workloads import load_workload
@@ -558,9 +586,48 @@ def test_the_capture_without_a_retrace_gives_the_retraced_graph(name, monkeypatc
         workload = load_workload(name)
         steps.append(capture_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
                                   workload.batch))
-    assert (taken[-1] is not None) == (name != "gpt2-tiny")
+    assert taken[-1] is not None
     retraced, as_is = steps
     assert as_is.graph == retraced.graph
     assert as_is.slots == retraced.slots and as_is.contiguous_values == retraced.contiguous_values
     assert as_is.constants.keys() == retraced.constants.keys()
     assert all(torch.equal(as_is.constants[key], retraced.constants[key]) for key in retraced.constants)
+
+
+def test_the_rewrite_writes_every_call_as_functionalization_records_it():
+    """Defaults left out or given, keyword arguments, chains of in-place ops, a write into an input: the rewritten
+    graph is the graph ``torch.func.functionalize`` traces, call for call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(p, x):
+        y = x.clone()
+        y.bernoulli_()  # p left at the in-place op's default; the functional variant has none
+        y.add_(x)
+        y.mul_(2)
+        z = x.clone().bernoulli_(0.3)
+        y.div_(3, rounding_mode=None)
+        y.add_(x, alpha=1)
+        y.clamp_(min=0.1)
+        p.copy_(y + z)
+        return y.sum()
+
+    def calls(module):
+        index: dict = {}
+        found = []
+        for node in module.graph.nodes:
+            index[node] = len(index)
+            if node.op == "call_function":
+                name = lambda arg: ("node", index[arg]) if isinstance(arg, torch.fx.Node) else arg  # noqa: E731
+                found.append((node.target, tuple(name(a) for a in node.args),
+                              tuple(sorted((k, name(v)) for k, v in node.kwargs.items()))))
+        return found
+
+    tensors = (torch.randn(3, 4), torch.randn(3, 4))
+    traced = make_fx(step, tracing_mode="fake")(*tensors)
+    fake_mode = next(node.meta["val"].fake_mode for node in traced.graph.nodes if node.op == "placeholder")
+    fakes = [node.meta["val"].detach() for node in traced.graph.nodes if node.op == "placeholder"]
+    with fake_mode:
+        functionalized = make_fx(torch.func.functionalize(traced, remove="mutations"), tracing_mode="real")(*fakes)
+    functionalized.graph.eliminate_dead_code()
+    _, as_is = _functional_as_is(step, *tensors)
+    assert as_is is not None and calls(as_is) == calls(functionalized)

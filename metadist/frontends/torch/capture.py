@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import operator
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
@@ -238,41 +239,83 @@ _ALWAYS_RETRACE = False
 
 
 def _functional_as_is(pass1: torch.fx.GraphModule, fake_mode: FakeTensorMode) -> torch.fx.GraphModule | None:
-    """Pass 1's graph as pass 2 would make it, without re-tracing it, where its only mutations are whole writes into
-    inputs; None for any other graph (pass 2 then re-traces it under functionalization).
+    """Pass 1's graph as pass 2 would make it, without re-tracing it, where it mutates only inputs it writes whole and
+    tensors nothing else sees; None for any other graph (pass 2 then re-traces it under functionalization).
 
-    A write qualifies when it is ``copy_(input, value)`` with its result unread, each input is written at most once,
-    and nothing reads the input, or any view of it, after the write. Such a graph is functional but for the writes,
-    and functionalization changes only them: the write becomes a functional ``copy(input, value)`` where it stood,
-    and the input takes that copy by one ``copy_`` at the end of the graph, the inputs in their order. Any other
-    mutating op (an in-place op on an intermediate, a masked assignment into a view) keeps the re-trace. Re-tracing
-    is most of a second of the capture of 4 LLaMA-7B layers (torch's per-op dispatch through functional tensors);
-    the test suite requires both to give the same MetaIR graph on the built-in models and the zoo.
+    Two kinds of mutation qualify:
+
+    - a whole write into an input, ``copy_(input, value)`` with its result unread, each input written at most once,
+      nothing reading the input or any view of it after the write: the write becomes a functional
+      ``copy(input, value)`` where it stood, and the input takes that copy by one ``copy_`` at the end of the graph,
+      the inputs in their order;
+    - an in-place op (``x.bernoulli_(p)``, ``x.div_(k)``: it writes its first argument only and returns it) on a
+      tensor the step made that is not a view and has none: it becomes the op's functional variant (the overload of
+      the name without ``_`` with the same arguments), and every later reader of ``x`` reads its result.
+
+    That is what functionalization does to such a graph, and all it does. Any other mutation (of a view, of a tensor
+    with views, of an input in place, an op without one functional variant) keeps the re-trace. Re-tracing is more
+    than half of a capture (torch's per-op dispatch through functional tensors: most of a second on 4 LLaMA-7B
+    layers); the test suite requires both to give the same MetaIR graph on the built-in models and the zoo.
     """
     graph = pass1.graph
     position = {node: index for index, node in enumerate(graph.nodes)}
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     writes: dict[torch.fx.Node, torch.fx.Node] = {}
+    in_place: dict[torch.fx.Node, Any] = {}  # node -> its functional variant
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if not node.target._schema.is_mutable:
             continue
-        if node.target is not torch.ops.aten.copy_.default or node.kwargs or len(node.args) != 2:
+        target = node.args[0] if node.args else None
+        if not isinstance(target, torch.fx.Node):
             return None
-        dst = node.args[0]
-        if not isinstance(dst, torch.fx.Node) or dst.op != "placeholder" or dst in writes or node.users:
+        if target.op == "placeholder":
+            if node.target is not torch.ops.aten.copy_.default or node.kwargs or len(node.args) != 2:
+                return None
+            if target in writes or node.users:
+                return None
+            writes[target] = node
+            continue
+        functional = _functional_variant(node.target)
+        # the tensor written: made by an op that is no view (or by an in-place op made functional), with no views
+        if (functional is None or target.op != "call_function"
+                or (target not in in_place and _returns_alias(target))
+                or any(_may_view(user, target) and user not in in_place and user is not node for user in target.users)):
             return None
-        writes[dst] = node
+        args, kwargs = _functional_arguments(node.target, functional, node.args, node.kwargs)
+        try:  # everything that may fail before the graph changes: a refusal leaves pass 1 to re-trace
+            with fake_mode, torch.no_grad():
+                val = functional(*_vals(args), **_vals(kwargs))
+        except Exception as err:  # an op the fake tensors cannot run so: the re-trace decides
+            log.debug("re-tracing: %s as %s failed on fake tensors (%s)", node.target, functional, err)
+            return None
+        in_place[node] = (functional, args, kwargs, val)
     for dst, write in writes.items():
         aliases, frontier = {dst}, [dst]
         while frontier:  # the input and every view of it, transitively
-            for user in frontier.pop().users:
-                if user not in aliases and _returns_alias(user):
+            viewed = frontier.pop()
+            for user in viewed.users:
+                if user not in aliases and _may_view(user, viewed):
                     aliases.add(user)
                     frontier.append(user)
         if any(position[user] > position[write] for alias in aliases for user in alias.users if user is not write):
             return None
+    made: dict[torch.fx.Node, torch.fx.Node] = {}  # in-place node -> its functional result
+    for node, (functional, args, kwargs, val) in in_place.items():  # in graph order: a chain reads the last result
+        written = node.args[0]
+        later = [user for user in written.users if user is not node and position[user] > position[node]]
+        args, kwargs = pytree.tree_map(lambda arg: made.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg,
+                                       (args, kwargs))
+        with graph.inserting_before(node):
+            result = graph.call_function(functional, args, kwargs)
+        result.meta["val"] = val
+        made[node] = result
+        node.replace_all_uses_with(result)
+        for user in later:
+            user.replace_input_with(written, result)
+        position[result] = position[node]
+        graph.erase_node(node)
     output = next(node for node in graph.nodes if node.op == "output")
     copies = {}
     for dst, write in writes.items():
@@ -292,14 +335,95 @@ def _functional_as_is(pass1: torch.fx.GraphModule, fake_mode: FakeTensorMode) ->
     return pass1
 
 
+def _vals(args: Any) -> Any:
+    """``args`` with each fx node replaced by the value the trace recorded for it."""
+    return pytree.tree_map(lambda arg: arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg, args)
+
+
+def _functional_arguments(op: Any, functional: Any, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """The arguments of ``functional`` for a call of the in-place ``op`` with ``args`` and ``kwargs``, written as a
+    call from C++ is recorded: positional arguments the call left at ``op``'s defaults given, then trailing ones at
+    ``functional``'s defaults left out, as are keyword arguments at its defaults (``bernoulli_.float(x)`` is
+    ``bernoulli.p(x, 0.5)``; ``add_.Tensor(x, y, alpha=1)`` is ``add.Tensor(x, y)``)."""
+    kwargs = dict(kwargs)
+    positional = [arg for arg in functional._schema.arguments if not arg.kwarg_only]
+    own = {arg.name: arg for arg in op._schema.arguments}
+    args = list(args)
+    for arg in positional[len(args):]:
+        if arg.name in kwargs:
+            args.append(kwargs.pop(arg.name))
+        elif own[arg.name].has_default_value():
+            args.append(own[arg.name].default_value)
+        else:
+            break
+    while args and len(args) <= len(positional) and _at_default(positional[len(args) - 1], args[-1]):
+        args.pop()
+    defaults = {arg.name: arg for arg in functional._schema.arguments if arg.kwarg_only}
+    kwargs = {key: value for key, value in kwargs.items() if not (key in defaults and _at_default(defaults[key], value))}
+    return tuple(args), kwargs
+
+
+def _at_default(argument: Any, value: Any) -> bool:
+    """Whether ``value`` is ``argument``'s default (a scalar or None of the same type)."""
+    if not argument.has_default_value():
+        return False
+    default = argument.default_value
+    return type(value) is type(default) and not isinstance(value, (torch.Tensor, torch.fx.Node)) and value == default
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_variant(op: Any) -> Any:
+    """The functional overload of the in-place ATen op ``op`` (``bernoulli_.float`` -> ``bernoulli.p``): the op of its
+    name without the trailing ``_`` whose arguments have the same names, types and kinds, returning a new tensor;
+    None unless ``op`` writes its first argument only and returns it, and exactly one such overload exists."""
+    schema = op._schema
+    arguments = schema.arguments
+    writes = [bool(arg.alias_info is not None and arg.alias_info.is_write) for arg in arguments]
+    if not writes or not writes[0] or any(writes[1:]) or len(schema.returns) != 1 or schema.returns[0].alias_info is None:
+        return None
+    namespace, _, name = schema.name.partition("::")
+    if not name.endswith("_"):
+        return None
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name[:-1])
+    except AttributeError:
+        return None
+    shape = [(arg.name, str(arg.type), arg.kwarg_only) for arg in arguments]
+    found = []
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        other = candidate._schema
+        if (not other.is_mutable and len(other.returns) == 1 and other.returns[0].alias_info is None
+                and [(arg.name, str(arg.type), arg.kwarg_only) for arg in other.arguments] == shape):
+            found.append(candidate)
+    return found[0] if len(found) == 1 else None
+
+
+def _may_view(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share memory with ``source``, one of its arguments: a view of it, or an in-place
+    op writing it (an in-place op returns the tensor it writes, its first argument, not its other arguments)."""
+    if not _returns_alias(node):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable and node.args:
+        return node.args[0] is source
+    return True
+
+
 def _returns_alias(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s result may share memory with an argument (a view: its schema marks the return an alias)."""
+    """Whether ``node``'s result may share memory with an argument (a view: its schema marks the return an alias, or
+    it is one of :data:`_UNANNOTATED_VIEWS`)."""
     if node.op != "call_function":
         return node.target is operator.getitem
-    if node.target is operator.getitem:
+    if node.target is operator.getitem or node.target in _UNANNOTATED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is None or any(ret.alias_info is not None for ret in schema.returns)
+
+
+_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+"""Ops whose result shares its input's memory though their schema does not say so: functionalization takes them for
+views (Falcon's attention adds its residual in place into an ``_unsafe_view`` of a matmul)."""
 
 
 def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: PrecisionPolicy, scaler,
