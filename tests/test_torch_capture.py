@@ -544,8 +544,13 @@ def test_writes_into_inputs_are_made_functional_without_a_retrace_and_anything_e
     def in_place_on_an_input(p, x):
         p.add_(x)
 
+    def view_of_an_in_place_result(p, x):  # functionalization makes the view again where it is read
+        rows = x.clone().mul_(2).view(-1)
+        p.copy_(x + 1)
+        return rows.sum()
+
     refusals = (view_read_after_the_write, written_twice, write_result_read, in_place_on_a_view,
-                in_place_on_a_tensor_with_a_view, in_place_on_an_input)
+                in_place_on_a_tensor_with_a_view, in_place_on_an_input, view_of_an_in_place_result)
     for refused in refusals:
         assert _functional_as_is(refused, torch.randn(3, 4), torch.randn(3, 4))[1] is None, refused.__name__
 

@@ -249,8 +249,9 @@ def _functional_as_is(pass1: torch.fx.GraphModule, fake_mode: FakeTensorMode) ->
       ``copy(input, value)`` where it stood, and the input takes that copy by one ``copy_`` at the end of the graph,
       the inputs in their order;
     - an in-place op (``x.bernoulli_(p)``, ``x.div_(k)``: it writes its first argument only and returns it) on a
-      tensor the step made that is not a view and has none: it becomes the op's functional variant (the overload of
-      the name without ``_`` with the same arguments), and every later reader of ``x`` reads its result.
+      tensor the step made that is not a view and has none, whose result no view is taken of: it becomes the op's
+      functional variant (the overload of the name without ``_`` with the same arguments), and every later reader of
+      ``x`` reads its result.
 
     That is what functionalization does to such a graph, and all it does. Any other mutation (of a view, of a tensor
     with views, of an input in place, an op without one functional variant) keeps the re-trace. Re-tracing is more
@@ -278,10 +279,13 @@ def _functional_as_is(pass1: torch.fx.GraphModule, fake_mode: FakeTensorMode) ->
             writes[target] = node
             continue
         functional = _functional_variant(node.target)
-        # the tensor written: made by an op that is no view (or by an in-place op made functional), with no views
+        # the tensor written: made by an op that is no view (or by an in-place op made functional), with no views, and
+        # no view taken of the result (functionalization would make such a view again where it is read, not where it
+        # was taken: the same values in another order); in-place ops on either are the chain, checked in their turn
         if (functional is None or target.op != "call_function"
                 or (target not in in_place and _returns_alias(target))
-                or any(_may_view(user, target) and user not in in_place and user is not node for user in target.users)):
+                or any(_may_view(user, target) and not _writes_in_place(user, target) for user in target.users)
+                or any(_may_view(user, node) and not _writes_in_place(user, node) for user in node.users)):
             return None
         args, kwargs = _functional_arguments(node.target, functional, node.args, node.kwargs)
         try:  # everything that may fail before the graph changes: a refusal leaves pass 1 to re-trace
@@ -399,6 +403,12 @@ def _functional_variant(op: Any) -> Any:
     return found[0] if len(found) == 1 else None
 
 
+def _writes_in_place(node: torch.fx.Node, tensor: torch.fx.Node) -> bool:
+    """Whether ``node`` is an in-place op writing ``tensor`` (its first argument)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable and bool(node.args) and node.args[0] is tensor
+
+
 def _may_view(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     """Whether ``node``'s result may share memory with ``source``, one of its arguments: a view of it, or an in-place
     op writing it (an in-place op returns the tensor it writes, its first argument, not its other arguments)."""
@@ -414,9 +424,9 @@ def _returns_alias(node: torch.fx.Node) -> bool:
     """Whether ``node``'s result may share memory with an argument (a view: its schema marks the return an alias, or
     it is one of :data:`_UNANNOTATED_VIEWS`)."""
     if node.op != "call_function":
-        return node.target is operator.getitem
-    if node.target is operator.getitem or node.target in _UNANNOTATED_VIEWS:
-        return True
+        return False
+    if node.target is operator.getitem or node.target in _UNANNOTATED_VIEWS:  # an output of a multi-output op: taken
+        return True  # for a view, as a split's are
     schema = getattr(node.target, "_schema", None)
     return schema is None or any(ret.alias_info is not None for ret in schema.returns)
 
