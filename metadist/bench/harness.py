@@ -460,7 +460,7 @@ def _with_prediction(result: MethodResult, predictions: dict[str, dict]) -> Meth
 
 
 def _write(path: str, text: str) -> None:
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     write_atomically(path, text)
 

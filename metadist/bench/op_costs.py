@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print_result(console, data, args.top)
         results.append(data)
     if args.out is not None:
-        from ..cli.common import write_atomically
+        from ..files import write_atomically
 
         write_atomically(args.out, json.dumps(results, indent=1))
         console.print(f"written to {args.out}")

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*cells)
     Console(width=140).print(table)
     if args.out is not None:
-        from ..cli.common import write_atomically
+        from ..files import write_atomically
 
         command = " ".join(["python -m metadist.bench.overhead_bench", *args.models, "--steps", str(args.steps),
                             "--out", str(args.out)])

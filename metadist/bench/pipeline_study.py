@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     rows: list[PipelineRow] = []
     for model in args.models.split(","):

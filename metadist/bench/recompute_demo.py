@@ -23,6 +23,8 @@ import shlex
 import sys
 import time
 
+from ..files import write_atomically
+
 log = logging.getLogger(__name__)
 
 
@@ -102,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = shlex.join(["python", "-m", "metadist.bench.recompute_demo", *(argv if argv is not None else sys.argv[1:])])
     print("\n".join(markdown(result)))
     if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
+        write_atomically(args.out, json.dumps(result, indent=1))
     return 0
 
 

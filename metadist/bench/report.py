@@ -743,7 +743,7 @@ def write_report(results_dir: Path, out: Path, scale_path: Path | None = None, c
     runs = load_runs(results_dir)
     scale = json.loads(scale_path.read_text()) if scale_path is not None and scale_path.is_file() else None
     images = plot_all(runs, scale, out.parent / "img", "img/")
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     studies = [json.loads(path.read_text()) for path in sorted(scale_path.parent.glob("pipeline_study*.json"))] \
         if scale_path is not None else []

@@ -203,7 +203,7 @@ def run_study(models: tuple[str, ...], device_counts: tuple[int, ...], out: str)
 
 
 def _write(out: str, rows: list[ScaleRow]) -> None:
-    from ..cli.common import write_atomically
+    from ..files import write_atomically
 
     write_atomically(out, json.dumps({"format": "metadist.scale_study", "version": 1, "cluster": CLUSTER_PRESET,
                                       "rows": [asdict(row) for row in rows]}, indent=1))

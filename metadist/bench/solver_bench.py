@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cost import resolve_cluster
+from ..files import write_atomically
 from ..ir import Mesh
 from ..solver import BASELINES, SolverError, baseline_plan, plan_graph
 
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         results[model] = rows
     if args.json:
         command = "python -m metadist.bench.solver_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(args.json, "w") as handle:
-            json.dump({"command": command, "cpu_count": os.cpu_count(), "models": results}, handle, indent=1)
+        write_atomically(args.json, json.dumps({"command": command, "cpu_count": os.cpu_count(), "models": results}, indent=1))
     return 0
 
 

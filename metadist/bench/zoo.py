@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..files import write_atomically
 from ..ir import Mesh
 from ..runtime.summary import RunSummary
 
@@ -155,7 +156,7 @@ def read_results(path: Path) -> tuple[list[ZooRun], dict]:
 
 def write_results(path: Path, runs: list[ZooRun], facts: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"facts": facts, "runs": [run.to_dict() for run in runs]}, indent=1) + "\n")
+    write_atomically(path, json.dumps({"facts": facts, "runs": [run.to_dict() for run in runs]}, indent=1) + "\n")
 
 
 def machine_facts(wall_s: float, command: str) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from ..files import write_atomically
 from ..runtime.check import Tolerance
 from .zoo import ZooRun
 
@@ -95,7 +96,7 @@ def render_page(runs: Sequence[ZooRun], facts: dict) -> str:
 
 def write_page(path: Path, runs: Sequence[ZooRun], facts: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_page(runs, facts))
+    write_atomically(path, render_page(runs, facts))
     return path
 
 

@@ -11,7 +11,8 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from .common import human_bytes, write_atomically
+from ..files import write_atomically
+from .common import human_bytes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -7,7 +7,8 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from .common import human_bytes, human_count, write_atomically
+from ..files import write_atomically
+from .common import human_bytes, human_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

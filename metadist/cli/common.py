@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from ..files import write_atomically
-
-__all__ = ["human_bytes", "human_count", "write_atomically"]
+__all__ = ["human_bytes", "human_count"]
 
 
 def human_bytes(count: float) -> str:

@@ -14,8 +14,9 @@ import re
 from rich.console import Console
 from rich.table import Table
 
+from ..files import write_atomically
 from ..gc_pause import gc_paused
-from .common import human_bytes, write_atomically
+from .common import human_bytes
 from .main import UsageError
 
 logger = logging.getLogger(__name__)

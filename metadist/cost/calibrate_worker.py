@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..files import write_atomically
+
 logger = logging.getLogger(__name__)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -598,8 +600,7 @@ def main(argv: list[str] | None = None) -> None:
                   "device": roofline, "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                   "memory_capacity_bytes": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
                   "measurements": measurements, "unsupported": unsupported}
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+        write_atomically(args.out, json.dumps(report, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

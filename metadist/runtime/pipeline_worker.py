@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..files import write_atomically
 from ..ir import Mesh
 from ..ir.pipeline import PP_AXIS, PipelinePlan
 from .errors import RunInputError
@@ -126,8 +127,6 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
         report = compare_on_rank_zero(reference, losses, step.state_one_by_one(workload.model, optimizer, workload.batch),
                                       step.grads_one_by_one(), reporter)
     if config.summary_path is not None and env.rank == 0:
-        from pathlib import Path
-
         from .summary import RunSummary, UnruledOp, check_summary, unruled_ops
 
         unruled: dict[str, UnruledOp] = {}
@@ -142,7 +141,7 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
             unruled=tuple(sorted(unruled.values(), key=lambda u: (-u.nodes, u.op))),
             check=None if report is None else check_summary(report),
         )
-        Path(config.summary_path).write_text(summary.to_json())
+        write_atomically(config.summary_path, summary.to_json())
     if report is not None:
         report.raise_if_failed()
     return 0

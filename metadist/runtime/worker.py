@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..ir import Mesh
 from ..ir.pipeline import PP_AXIS
+from ..files import write_atomically
 from ..progress import PhaseTimes
 from .build import bytes_from_mib
 from .env import read_torchrun_env
@@ -310,8 +311,6 @@ def wait_for_rank_zero(timeout_s: float) -> None:
 
 
 def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph, losses, report, phase_times) -> None:
-    from pathlib import Path
-
     from .summary import RunSummary, check_summary, unruled_ops
 
     summary = RunSummary(
@@ -319,7 +318,7 @@ def _write_summary(config: WorkerConfig, workload, parameters: int, plan, graph,
         phase_seconds=dict(phase_times.seconds) if phase_times is not None else {},
         unruled=unruled_ops(plan, graph), check=None if report is None else check_summary(report),
     )
-    Path(config.summary_path).write_text(summary.to_json())
+    write_atomically(config.summary_path, summary.to_json())
 
 
 def _resume(config: WorkerConfig, model, optimizer, reporter, reference, scaler=None):

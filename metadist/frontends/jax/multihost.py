@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ...files import write_atomically
 from ...ir import Mesh
 from .errors import JaxCaptureError
 
@@ -118,7 +119,7 @@ def run_jax_multihost(spec: str, *, processes: int, local_devices: int, mesh: Me
     planning_seconds = time.perf_counter() - started
     with tempfile.TemporaryDirectory(prefix="metadist-jax-multihost-") as folder:
         plan_path = Path(folder) / "plan.json"
-        plan_path.write_text(plan.to_json())
+        write_atomically(plan_path, plan.to_json())
         coordinator = f"127.0.0.1:{_free_port()}"
         reports_paths = [Path(folder) / f"report{process}.json" for process in range(processes)]
         commands = [
@@ -206,7 +207,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         log.info("process %d: rendezvous %.2f s, shutdown %.2f s, total %.2f s", args.process_id, rendezvous_seconds,
                     time.perf_counter() - stopping, time.perf_counter() - started)
     report["rendezvous_seconds"] = rendezvous_seconds
-    Path(args.report).write_text(json.dumps(report))
+    write_atomically(args.report, json.dumps(report))
     return 0  # a failed check is in the report; the launcher turns it into the exit status
 
 

@@ -496,7 +496,7 @@ def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: Prec
             rng_watch.active():
         pass1 = make_fx(traced, tracing_mode="real", decomposition_table=decompositions)(*fakes)
     pass2 = _functional_as_is(pass1, fake_mode) if not _ALWAYS_RETRACE else None
-    if pass2 is None:  # mutations other than whole writes into inputs: functionalization re-traces the graph
+    if pass2 is None:  # mutations _functional_as_is does not take: functionalization re-traces the graph
         inputs_pass2 = [fake.detach() for fake in fakes]
         with _user_errors(), fake_mode, torch.no_grad():
             pass2 = make_fx(torch.func.functionalize(pass1, remove="mutations"), tracing_mode="real")(*inputs_pass2)
