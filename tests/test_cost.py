@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from metadist.cost import Cluster, ClusterError, Link, cluster_for, collective_seconds, load_cluster, reshard, resolve_cluster
-from metadist.cost.calibrate import cluster_from_report, fit_link
+from metadist.cost.calibrate import cluster_from_report, cluster_over_mesh, fit_link
 from metadist.cost.compute import Work, compute_seconds, node_work
 from metadist.cost.memory import liveness
 from metadist.ir import Mesh, Partial, Replicate, Shard, TensorSpec
@@ -237,6 +237,35 @@ def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibrati
         replace(plain, dtensor_op_overhead_s=-1e-6)
 
 
+def test_fsdp_unit_costs_are_fitted_through_two_sizes_for_the_axis_of_all_the_processes():
+    """Version 14: what torch's FSDP2 added per unit at two sizes gives (fixed seconds, bytes/s) per variant, on the
+    link of the axis of all the processes only (the units were timed over all of them), not scaled by the slowdown;
+    a variant timed at one size, or an older report, gives none."""
+    figures = {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 2e10, "sustained_slowdown": 1.5,
+               "fsdp_unit_s:zero2:1000": 3e-3, "fsdp_unit_s:zero2:11000": 5e-3,
+               "fsdp_unit_s:zero3:1000": 4e-3, "fsdp_unit_s:zero3:11000": 8e-3, "fsdp_unit_s:other:1000": 1.0}
+    rows = [{"axis": axis, "group_size": size, "op": "all_reduce", "bytes": nbytes, "seconds": 1e-4 + nbytes * 1e-9}
+            for axis, size in ((0, 4), (-1, 2)) for nbytes in (4096, 262144)]
+    report = {"backend": "gloo", "world_size": 4, "memory_capacity_bytes": 1e9, "measurements": rows, "device": figures}
+    link = cluster_from_report(report, Mesh((4,))).link(0)
+    assert dict((variant, (fixed, rate)) for variant, fixed, rate in link.fsdp_unit_costs) == {
+        "zero2": (pytest.approx(2.8e-3), pytest.approx(5e6)), "zero3": (pytest.approx(3.6e-3), pytest.approx(2.5e6))}
+    assert link.fsdp_unit_cost("zero3") == (pytest.approx(3.6e-3), pytest.approx(2.5e6))
+    assert link.fsdp_unit_cost("zero1") is None
+    # a 2x2 mesh: the pairs' axes take their own fitted links, without the units timed over all four processes
+    assert all(not link.fsdp_unit_costs for link in cluster_over_mesh(report, Mesh((2, 2))).axis_links)
+    # nor does the whole link lent to an axis that has no measurements of its own carry them
+    no_pairs = {**report, "measurements": [row for row in rows if row["axis"] == 0]}
+    assert all(not link.fsdp_unit_costs for link in cluster_over_mesh(no_pairs, Mesh((2, 2))).axis_links)
+    assert cluster_over_mesh(no_pairs, Mesh((4,))).link(0).fsdp_unit_costs == link.fsdp_unit_costs
+    older = {**report, "device": {key: value for key, value in figures.items() if not key.startswith("fsdp")}}
+    assert cluster_from_report(older, Mesh((4,))).link(0).fsdp_unit_costs == ()
+    cluster = cluster_from_report(report, Mesh((4,)))
+    assert Cluster.from_dict(json.loads(cluster.to_json())) == cluster
+    with pytest.raises(ClusterError, match="fsdp unit costs"):
+        replace(link, fsdp_unit_costs=(("zero2", 1e-3, 0.0),))
+
+
 def test_core_sharing_counts_the_hosts_compute_threads_per_core(monkeypatch):
     torch = pytest.importorskip("torch")
     from metadist.cost.calibrate_worker import core_sharing
@@ -451,6 +480,15 @@ def test_calibrate_measures_gloo_on_two_processes():
     # an op on a sharded DTensor costs more than on a plain tensor (version 13), priced at the slowdown
     assert report["device"]["dtensor_op_s"] > 0
     assert device.dtensor_op_overhead_s == pytest.approx(report["device"]["dtensor_op_s"] * slowdown)
+    # what torch's FSDP2 adds per unit, at two sizes (version 14), on the link of all the processes
+    from metadist.cost.calibrate_worker import FSDP_UNIT_BYTES
+
+    timed = [key.split(":")[1:] for key in report["device"] if key.startswith("fsdp_unit_s:")]
+    assert sorted(variant for variant, _ in timed) == ["zero2", "zero2", "zero3", "zero3"]
+    for variant in ("zero2", "zero3"):  # square units of about each size (widths the ranks divide)
+        sizes = sorted(int(nbytes) for name, nbytes in timed if name == variant)
+        assert all(abs(size - wanted) <= 0.01 * wanted for size, wanted in zip(sizes, FSDP_UNIT_BYTES))
+    assert {variant for variant, _, _ in cluster.link(0).fsdp_unit_costs} == {"zero2", "zero3"}
     for dtype in ("bfloat16", "float16"):
         assert device.flops_per_s(dtype) == pytest.approx(report["device"][f"peak_flops_per_s_{dtype}"] / slowdown)
         assert device.bandwidth_bytes_per_s(dtype) == pytest.approx(report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] / slowdown)

@@ -139,6 +139,26 @@ def test_torch_fsdp_is_priced_per_unit_as_fsdp2_runs_it_and_sends_the_bytes_the_
         torch_fsdp_estimate(graph, _synced("cpu-gloo", Mesh((2, 2)), sync_s=0.0), zero.estimate, units, True)
 
 
+def test_torch_fsdp_takes_its_measured_unit_costs_where_the_link_carries_them():
+    """Calibration version 14: a link that carries FSDP2's measured cost per unit prices each unit at it (its
+    collectives, copies and hooks together, by the unit's bytes) in place of its collectives' price; the bytes sent and
+    the calls are the same, and a variant the link lacks keeps the collectives' price."""
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=1e-3, op_overhead_s=30e-6)
+    units = fsdp_unit_bytes([[((64, 64), 4)], [((64, 32), 4)]], 2)
+    measured = replace(cluster, axis_links=(replace(cluster.link(0), fsdp_unit_costs=(("zero2", 2e-3, 1e9),)),))
+    zero = baseline_plan(graph, rules, cluster, "zero2")
+    plain = torch_fsdp_estimate(graph, cluster, zero.estimate, units, False, layout_plan=zero)
+    priced = torch_fsdp_estimate(graph, measured, zero.estimate, units, False, layout_plan=zero)
+    assert priced["comm_s"] == pytest.approx(sum(2e-3 + size / 1e9 for size in units)) != pytest.approx(plain["comm_s"])
+    assert priced["comm_bytes_by_axis"] == plain["comm_bytes_by_axis"]
+    assert priced["collectives_by_kind"] == plain["collectives_by_kind"]
+    assert priced["step_s"] == pytest.approx(plain["compute_s"] + priced["comm_s"])
+    zero3 = baseline_plan(graph, rules, cluster, "zero3")
+    assert (torch_fsdp_estimate(graph, measured, zero3.estimate, units, True, layout_plan=zero3)["comm_s"]
+            == pytest.approx(torch_fsdp_estimate(graph, cluster, zero3.estimate, units, True, layout_plan=zero3)["comm_s"]))
+
+
 def test_torch_fsdp_and_tp_pay_the_dtensor_cost_of_each_op_they_run_on_dtensors():
     """torch's FSDP2 runs its optimizer on DTensor parameters, its TP the parallel modules' ops too: each such op pays
     the calibrated DTensor cost on top of the eager compute; a device that did not measure it (0) adds nothing."""

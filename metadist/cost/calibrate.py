@@ -15,7 +15,7 @@ the fixed seconds of one op come from a small captured step run by the runtime
 phases (:func:`collective_sync_s`).
 
 **Cache.** :func:`machine_cluster` measures this machine the first time a CPU run or benchmark
-plans on it (one progress line, ~20 s) and keeps the report in ``<cache dir>/calibration/``, keyed
+plans on it (one progress line, ~30 s) and keeps the report in ``<cache dir>/calibration/``, keyed
 by a fingerprint of the machine (processor model, core count, memory; no host name), the torch
 version, the backend and the process count; ``metadist calibrate`` measures again and replaces it.
 """
@@ -167,7 +167,8 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     for axis, size in enumerate(mesh.shape):
         rows = [m for m in report["measurements"] if m["axis"] == axis]
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", backend_reduce_scatters_as_all_reduce(report["backend"]))
-        links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size)))
+        links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size),
+                             fsdp_unit_costs=fsdp_unit_costs(figures) if size == report.get("world_size") else ()))
     slowdown = sustained_slowdown(figures)
 
     def rates(values: Mapping[str, float]) -> dict[str, float]:
@@ -192,6 +193,26 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         sustained_slowdown=slowdown,
     )
     return Cluster(mesh=mesh, device=device, axis_links=tuple(links), name=f"calibrated-{report['backend']}")
+
+
+def fsdp_unit_costs(figures: Mapping[str, Any]) -> tuple[tuple[str, float, float], ...]:
+    """(variant, fixed seconds, bytes/s) of torch's FSDP2 per unit, through the smallest and the largest unit the worker
+    timed (``fsdp_unit_s:VARIANT:BYTES``, :func:`metadist.cost.calibrate_worker._fsdp_unit_seconds`), as
+    :func:`_kind_costs` fits a collective kind; nothing for a variant timed at fewer than two sizes. Not scaled by the
+    sustained slowdown: every rank ran the units at once, as a step runs them."""
+    by_variant: dict[str, dict[float, float]] = {}
+    for key, seconds in figures.items():
+        if key.startswith("fsdp_unit_s:"):
+            _, variant, nbytes = key.split(":")
+            by_variant.setdefault(variant, {})[float(nbytes)] = float(seconds)
+    costs = []
+    for variant, points in sorted(by_variant.items()):
+        if len(points) < 2:
+            continue
+        (small, small_s), (large, large_s) = min(points.items()), max(points.items())
+        per_byte = max((large_s - small_s) / (large - small), 1e-15)
+        costs.append((variant, max(small_s - small * per_byte, 0.0), 1.0 / per_byte))
+    return tuple(costs)
 
 
 def _by_dtype(figures: Mapping[str, Any], prefix: str) -> dict[str, float]:
@@ -264,7 +285,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 13
+CALIBRATION_VERSION = 14
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -279,7 +300,8 @@ draws (``bernoulli``, ``rand``, ``randn``); 10: bfloat16 and float16 matmuls als
 runtime's captured and eager calibration steps timed one process at a time (their per-node figures swung 2-7x between
 calibrations on 4 processes sharing 2 cores); 12: the host's compute threads per core (``core_sharing``), a floor
 of the sustained slowdown; 13: what an op on a sharded DTensor costs beyond the same op on a plain tensor
-(``dtensor_op_s``: torch's FSDP2 and tensor parallelism priced as they run). A cache
+(``dtensor_op_s``: torch's FSDP2 and tensor parallelism priced as they run); 14: what torch's FSDP2 adds per unit
+of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`). A cache
 of an older version is measured again, not read."""
 
 
@@ -359,7 +381,7 @@ def machine_cluster(mesh: Mesh, cache_dir: Path, *, sizes: str = QUICK_SIZES, an
     report = load_calibration(path)
     if report is None:
         if announce is not None:
-            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, about 20 s, once; "
+            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, about 30 s, once; "
                      f"cached in {path} (`metadist calibrate --nproc {nproc}` measures again)")
         report = run_workers(nproc, Mesh((nproc,)), sizes)
         save_calibration(path, report, nproc)
@@ -381,8 +403,11 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     links = []
     for size in mesh.shape:
         rows = [m for m in report["measurements"] if m.get("axis") == -1 and m.get("group_size") == size]
-        if size == mesh.size or not rows:
+        if size == mesh.size:
             links.append(whole)
+            continue
+        if not rows:  # FSDP2's units were timed over all the processes, not over this axis's groups
+            links.append(replace(whole, fsdp_unit_costs=()))
             continue
         link = fit_link(rows, size, f"{report['backend']}-group{size}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         in_step = report["device"].get(f"in_step_collective_s:{size}")

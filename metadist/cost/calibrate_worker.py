@@ -482,6 +482,7 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing(),
                "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats)}
     if world > 1:
+        figures.update(_fsdp_unit_seconds(world, repeats))
         alone, extra = _in_step_collective(Collectives.from_device_mesh(_world_mesh(world)), 0, repeats)
         figures.update(compute_phase_s=alone, in_step_collective_s=extra)
         from torch.distributed.device_mesh import init_device_mesh
@@ -533,6 +534,73 @@ def _dtensor_op_seconds(mesh, repeats: int) -> float:
             without.append(median_seconds(plain, 1))
     dist.barrier()
     return max(statistics.median(with_dtensor) - statistics.median(without), 0.0) / DTENSOR_OPS
+
+
+FSDP_UNIT_BYTES = (1 << 18, 1 << 25)
+"""About the float32 units whose FSDP2 calls :func:`_fsdp_unit_seconds` times (256 KiB and 32 MiB; the nearest square
+widths the ranks divide): a tiny model's blocks and a 124M-parameter GPT's (28 MiB) are priced through the line these
+two points give. Timed at 256 KiB and 16 MiB, a 28 MiB unit's cost fell 10 % short of what it measured."""
+
+
+FSDP_UNITS = 4
+"""Units in the chain :func:`_fsdp_unit_seconds` times: FSDP2 overlaps a unit's all-gather with the unit before it."""
+
+FSDP_ROWS = 32
+"""Rows of the input each unit's square matmul multiplies."""
+
+
+def _fsdp_chain(width: int) -> torch.nn.Module:
+    """:data:`FSDP_UNITS` units, each a bias-free ``width`` x ``width`` linear layer and a ReLU, as a model's blocks."""
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.ReLU())
+                                 for _ in range(FSDP_UNITS)))
+
+
+def _fsdp_unit_seconds(world: int, repeats: int) -> dict[str, float]:
+    """Seconds torch's FSDP2 adds to a forward and backward per unit of each size in :data:`FSDP_UNIT_BYTES`, with
+    its parameters kept gathered from forward to backward (``fsdp_unit_s:zero2:BYTES``) and gathered again for the
+    backward (``fsdp_unit_s:zero3:BYTES``): a chain of :data:`FSDP_UNITS` linear units sharded by ``fully_shard`` (per
+    unit and at a root without parameters, as a model's blocks are) less the same chain unsharded, every rank at once,
+    over the units.
+
+    That is FSDP2 as it runs on this backend inside a step, not its collectives alone: the all-gather's copy-in into a
+    fresh flat buffer and copy-out into the unsharded parameters, overlapped with the unit before; the reduce-scatter's
+    copy-in (``chunk_cat``); gloo's reduce-scatter (an all-reduce of a copy of the whole input), blocking; the division
+    of the gradients; FSDP2's hooks. On this project's 2-core machine (2 processes) a GPT block's 28 MiB unit took
+    ~90 ms of such calls in a step, where the link's all-gather and all-reduce of its bytes were priced at ~40."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _world_mesh(world)
+    figures = {}
+    for nbytes in FSDP_UNIT_BYTES:
+        width = max(world, int((nbytes // 4) ** 0.5) // world * world)
+        x = torch.rand(FSDP_ROWS, width)
+        torch.manual_seed(0)
+        runs = {"plain": _fsdp_chain(width)}
+        for variant, reshard in (("zero2", False), ("zero3", True)):
+            model = _fsdp_chain(width)
+            for unit in model:
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+            runs[variant] = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+        def step(model) -> None:
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        large = nbytes >= 1 << 22  # the large units' chain takes ~0.4 s a turn on 2 processes, ~1 s on 4
+        for model in runs.values():
+            for _ in range(1 if large else 2):
+                step(model)
+        samples: dict[str, list[float]] = {name: [] for name in runs}
+        # interleaved, so that a change of the machine's load hits every variant alike
+        for _ in range(max(3, repeats // 5) if large else repeats):
+            for name, model in runs.items():
+                dist.barrier()
+                samples[name].append(median_seconds(lambda: step(model), 1))
+        plain = statistics.median(samples["plain"])
+        for variant in ("zero2", "zero3"):
+            extra = max(statistics.median(samples[variant]) - plain, 0.0) / FSDP_UNITS
+            figures[f"fsdp_unit_s:{variant}:{width * width * 4}"] = extra
+    return figures
 
 
 def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:

@@ -51,12 +51,20 @@ class Link:
     """Measured (collective kind, fixed seconds per call, bandwidth) of kinds whose algorithm the backend runs at its
     own speed (gloo's all-gather is several times slower per byte than its all-reduce); a kind listed here is priced
     ``fixed + sent / bandwidth`` instead of the alpha-beta figures above. Empty for the presets."""
+    fsdp_unit_costs: tuple[tuple[str, float, float], ...] = ()
+    """Measured (variant, fixed seconds, bytes/s) of what torch's FSDP2 adds to a step per unit over this link's
+    ranks, ``zero2`` (parameters kept gathered from forward to backward) and ``zero3`` (gathered again for the
+    backward): its collectives, its copies into and out of their flat buffers and its hooks, priced
+    ``fixed + unit bytes / bytes/s`` (``metadist calibrate`` on CPUs, for the axis of all its processes:
+    :func:`metadist.solver.baselines.torch_fsdp_estimate`). Empty for the presets and the other axes, whose FSDP2
+    units are priced by their collectives alone."""
 
     def __post_init__(self) -> None:
-        costs = tuple(sorted((str(kind), float(fixed), float(bandwidth)) for kind, fixed, bandwidth in self.kind_costs))
-        object.__setattr__(self, "kind_costs", costs)
-        if any(fixed < 0 or bandwidth <= 0 for _, fixed, bandwidth in costs):
-            raise ClusterError(f"a link's per-kind costs need fixed seconds >= 0 and bandwidth > 0, got {costs}")
+        for name in ("kind_costs", "fsdp_unit_costs"):
+            costs = tuple(sorted((str(kind), float(fixed), float(rate)) for kind, fixed, rate in getattr(self, name)))
+            object.__setattr__(self, name, costs)
+            if any(fixed < 0 or rate <= 0 for _, fixed, rate in costs):
+                raise ClusterError(f"a link's {name.replace('_', ' ')} need fixed seconds >= 0 and a rate > 0, got {costs}")
         if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0 or not self.sync_s >= 0:
             raise ClusterError(f"a link needs bandwidth > 0 and latency, call overhead and sync cost >= 0, got {self}")
 
@@ -65,6 +73,14 @@ class Link:
         for name, fixed, bandwidth in self.kind_costs:
             if name == kind:
                 return fixed, bandwidth
+        return None
+
+    def fsdp_unit_cost(self, variant: str) -> tuple[float, float] | None:
+        """(fixed seconds, bytes/s) measured for an FSDP2 unit of ``variant`` (``zero2``, ``zero3``); None where not
+        measured."""
+        for name, fixed, rate in self.fsdp_unit_costs:
+            if name == variant:
+                return fixed, rate
         return None
 
 

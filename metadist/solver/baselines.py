@@ -179,18 +179,23 @@ def _eager_compute_s(graph: Graph, cluster: Cluster, layout_estimate: Any, layou
 
 def _fsdp_comm(unit_bytes: Sequence[float], world: int, link: Any, reshard_after_forward: bool) -> tuple[float, float, dict[str, int]]:
     """(seconds, bytes sent, calls by kind) of FSDP2's collectives over ``world`` ranks on ``link``: per unit, its
-    all-gathers (two when ``reshard_after_forward``) and one reduce-scatter, each paying its full fixed and in-step
-    cost."""
+    all-gathers (two when ``reshard_after_forward``) and one reduce-scatter. Where the link carries a measured cost of
+    FSDP2's units (:attr:`~metadist.cost.cluster.Link.fsdp_unit_costs`), a unit takes that: its collectives with
+    FSDP2's copies into and out of their buffers and its hooks, as they ran together; elsewhere each collective pays
+    its full fixed and in-step cost and nothing else is priced."""
     from ..cost.comm import collective_seconds
 
     gathers = 2 if reshard_after_forward else 1
+    measured = link.fsdp_unit_cost("zero3" if reshard_after_forward else "zero2") if world > 1 else None
     comm_s = comm_bytes = 0.0
     calls: dict[str, int] = {}
     for size in (size for size in unit_bytes if size > 0 and world > 1):
+        unit_s = 0.0
         for kind, buffer, count in (("all_gather", size / world, gathers), ("reduce_scatter", size, 1)):
             seconds, sent = collective_seconds(kind, buffer, world, link)
-            comm_s, comm_bytes = comm_s + count * seconds, comm_bytes + count * sent
+            unit_s, comm_bytes = unit_s + count * seconds, comm_bytes + count * sent
             calls[kind] = calls.get(kind, 0) + count
+        comm_s += unit_s if measured is None else measured[0] + size / measured[1]
     return comm_s, comm_bytes, calls
 
 
@@ -203,7 +208,9 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
     Each unit (``unit_bytes``: its padded flat parameter, :func:`fsdp_unit_bytes`) all-gathers its parameters before
     its forward, again before its backward when ``reshard_after_forward`` (ZeRO-3; ZeRO-2 keeps them gathered), and
     reduce-scatters its gradients after its backward (carried out as an all-reduce of the whole gradient on gloo):
-    one call each, paying its full fixed and in-step cost. Compute: the layout's (``layout_estimate``, the update on
+    one call each, paying its full fixed and in-step cost; on a link that carries FSDP2's measured unit costs
+    (calibration version 14), a unit costs what FSDP2 was measured to add per unit of its bytes instead, copies and
+    hooks included (:func:`_fsdp_comm`). Compute: the layout's (``layout_estimate``, the update on
     each rank's shard) at the eager per-node cost, random ops drawn per rank (``layout_plan``), as
     :func:`torch_ddp_estimate` prices DDP's, plus ``dtensor_ops`` ops on DTensors (the eager optimizer's ops on the
     sharded parameters, :func:`dtensor_seconds`); no overlap is assumed."""
