@@ -149,23 +149,27 @@ def test_collectives_and_random_draws_keep_their_order(coalesced):
 
 def test_repeated_small_ops_merge_but_outputs_stay_distinct():
     graph = torch.fx.Graph()
-    beta, lr, weight = (graph.placeholder(name) for name in ("beta", "lr", "weight"))
+    beta, lr, weight, wide = (graph.placeholder(name) for name in ("beta", "lr", "weight", "wide"))
     first = _shaped(graph, aten.rsub.Scalar, (beta, 1), ())
     second = _shaped(graph, aten.rsub.Scalar, (beta, 1), ())
     uses = [_shaped(graph, aten.mul.Tensor, (lr, node), ()) for node in (first, second)]
-    # two equal results that are program outputs, and two that reach outputs through views: kept apart
-    outs = [_shaped(graph, aten.mul.Tensor, (weight, 2.0), (3,)) for _ in range(2)]
-    viewed = [_shaped(graph, aten.view.default, (_shaped(graph, aten.add.Tensor, (weight, 1.0), (3,)), [3]), (3,))
+    # small enough to merge: two equal results that are program outputs, two that reach outputs through views, and
+    # two through ``_unsafe_view``, whose schema does not say it shares its input's memory: all kept apart
+    outs = [_shaped(graph, aten.mul.Tensor, (weight, 2.0), (2,)) for _ in range(2)]
+    viewed = [_shaped(graph, aten.view.default, (_shaped(graph, aten.add.Tensor, (weight, 1.0), (2,)), [2]), (2,))
               for _ in range(2)]
-    big = [_shaped(graph, aten.mul.Tensor, (weight, 5.0), (3,)) for _ in range(2)]
-    graph.output((*uses, *outs, *viewed, _shaped(graph, aten.add.Tensor, tuple(big), (3,))))
-    values = [torch.tensor(0.9), torch.tensor(0.1), torch.randn(3)]
+    unsafe = [_shaped(graph, aten._unsafe_view.default, (_shaped(graph, aten.add.Tensor, (weight, 3.0), (2,)), [2]), (2,))
+              for _ in range(2)]
+    big = [_shaped(graph, aten.mul.Tensor, (wide, 5.0), (3,)) for _ in range(2)]
+    graph.output((*uses, *outs, *viewed, *unsafe, _shaped(graph, aten.add.Tensor, tuple(big), (3,))))
+    values = [torch.tensor(0.9), torch.tensor(0.1), torch.randn(2), torch.randn(3)]
     want = _run(graph, values)
     merged = merge_duplicates(graph, max_numel=2)  # the (3,) ``big`` products are above this cap
     got = _run(graph, values)
     assert merged == 1 and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert got[2] is not got[3] and got[4].data_ptr() != got[5].data_ptr()
-    assert _calls(graph, "rsub") == 1 and _calls(graph, "mul.Tensor") == 2 + 2 + 2
+    assert got[2] is not got[3]
+    assert got[4].data_ptr() != got[5].data_ptr() and got[6].data_ptr() != got[7].data_ptr()
+    assert _calls(graph, "rsub") == 1 and _calls(graph, "mul.Tensor") == 2 + 2 + 2 and _calls(graph, "add.Tensor") == 5
 
 
 def test_a_captured_library_model_with_adamw_runs_bitwise_equal_batched(tmp_path):

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from ..frontends.torch.aliasing import may_alias_argument
 from .random_ops import draw_random
 
 __all__ = ["BatchStats", "batch_elementwise", "merge_duplicates", "MAX_NUMEL", "MAX_GROUP_NUMEL"]
@@ -330,19 +331,6 @@ def merge_duplicates(graph: torch.fx.Graph, *, max_numel: int = MAX_NUMEL) -> in
     return merged
 
 
-def _returns_view(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s result may share storage with its first argument."""
-    if node.op == "call_method":
-        return node.target == "contiguous"
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True
-    if isinstance(node.target, torch._ops.OpOverload):
-        return any(ret.alias_info is not None for ret in node.target._schema.returns)
-    return True  # a runtime helper (slicing, unpacking): assume it may return a view
-
-
 def _output_origins(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """Nodes whose result is a program output or shares storage with one (through views)."""
     origins: set[torch.fx.Node] = set()
@@ -352,7 +340,7 @@ def _output_origins(graph: torch.fx.Graph) -> set[torch.fx.Node]:
         if node in origins:
             continue
         origins.add(node)
-        if _returns_view(node):
+        if may_alias_argument(node):
             stack.extend(node.all_input_nodes)
     return origins
 

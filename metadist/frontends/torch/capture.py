@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import operator
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from torch.nn.utils import stateless
 from ...gc_pause import gc_paused
 from ...ir import Graph, PrecisionPolicy, Role
 from ...ir.expand import canonical_names
+from .aliasing import may_alias_argument
 from .errors import CaptureError
 from .masked_assignment import MaskedAssignmentAsWhere
 from .moe import static_experts, uncovered_routing_hint
@@ -283,7 +283,7 @@ def _functional_as_is(pass1: torch.fx.GraphModule, fake_mode: FakeTensorMode) ->
         # no view taken of the result (functionalization would make such a view again where it is read, not where it
         # was taken: the same values in another order); in-place ops on either are the chain, checked in their turn
         if (functional is None or target.op != "call_function"
-                or (target not in in_place and _returns_alias(target))
+                or (target not in in_place and may_alias_argument(target))
                 or any(_may_view(user, target) and not _writes_in_place(user, target) for user in target.users)
                 or any(_may_view(user, node) and not _writes_in_place(user, node) for user in node.users)):
             return None
@@ -412,28 +412,12 @@ def _writes_in_place(node: torch.fx.Node, tensor: torch.fx.Node) -> bool:
 def _may_view(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     """Whether ``node``'s result may share memory with ``source``, one of its arguments: a view of it, or an in-place
     op writing it (an in-place op returns the tensor it writes, its first argument, not its other arguments)."""
-    if not _returns_alias(node):
+    if not may_alias_argument(node):
         return False
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable and node.args:
         return node.args[0] is source
     return True
-
-
-def _returns_alias(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s result may share memory with an argument (a view: its schema marks the return an alias, or
-    it is one of :data:`_UNANNOTATED_VIEWS`)."""
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem or node.target in _UNANNOTATED_VIEWS:  # an output of a multi-output op: taken
-        return True  # for a view, as a split's are
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or any(ret.alias_info is not None for ret in schema.returns)
-
-
-_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
-"""Ops whose result shares its input's memory though their schema does not say so: functionalization takes them for
-views (Falcon's attention adds its residual in place into an ``_unsafe_view`` of a matmul)."""
 
 
 def _capture(train_step, model, optimizer, batch, name, keep_grads, policy: PrecisionPolicy, scaler,
