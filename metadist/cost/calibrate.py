@@ -285,7 +285,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 15
+CALIBRATION_VERSION = 14
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -301,8 +301,7 @@ runtime's captured and eager calibration steps timed one process at a time (thei
 calibrations on 4 processes sharing 2 cores); 12: the host's compute threads per core (``core_sharing``), a floor
 of the sustained slowdown; 13: what an op on a sharded DTensor costs beyond the same op on a plain tensor
 (``dtensor_op_s``: torch's FSDP2 and tensor parallelism priced as they run); 14: what torch's FSDP2 adds per unit
-of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`);
-15: the elementwise curve also at 32M elements, whose streaming rate caps every size's (an update's ops ran at it). A cache
+of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`). A cache
 of an older version is measured again, not read."""
 
 

@@ -11,9 +11,7 @@ slowest rank's figures are kept. Two figures are measured through the runtime it
 seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
 runtime's collectives between two compute phases gives what a collective costs where a step runs
 it (the wait for the slower peer included), and a mix of elementwise ops on a sharded DTensor against the same ops
-on its local tensor gives what torch's DTensor adds per op, and a chain of four linear units under torch's
-``fully_shard`` against the same chain unsharded gives what FSDP2 adds per unit (:func:`_fsdp_unit_seconds`). Last,
-the same op mix timed in short bursts and in a
+on its local tensor gives what torch's DTensor adds per op. Last, the same op mix timed in short bursts and in a
 long stretch gives how much slower the ranks compute over a step than in the short timed calls
 (:func:`_sustained_slowdown`: ranks sharing cores take turns). Rank 0 writes the measurements as JSON.
 Usage: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
@@ -125,15 +123,12 @@ STREAM_ROWS, STREAM_WIDTH = 8, 2048
 float32 ``[8, 4096] @ [4096, 4096]`` ran at 8 GFLOP/s against 70 for a square matmul of the same FLOPs, about 2 GB/s
 of the operand's bytes, where the elementwise rate was 21 GB/s."""
 
-ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
+ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
 """Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte). The
-largest (32M elements: three float32 operands of 128 MiB) streams from memory, as a large model's activations,
-weights, gradients and optimizer states do during a step; its rate caps every size's (:meth:`~.cluster.Device.
-bandwidth_bytes_per_s`). On this project's machine (32 MiB of L3 shared by 2 cores) an add of 1M-element operands ran
-at 18-21 GB/s, one of 8M at 10-13 GB/s, where the step's own adds and multiplies on 6-28 MiB tensors ran at 1.4-1.5x
-their price from the smaller sizes (version 9 added 8M). Later, 2 processes at once: 8M elements 21-28 GB/s, 32M 15;
-an update's ops on GPT-2 small's parameters (0.6-38.6M elements each, read where the pass before left them) 13-15 GB/s
-whatever their size, 1.6-1.9x their price when 8M was the largest (version 15 added 32M)."""
+largest (8M elements: three float32 operands of 32 MiB) is past a CPU's last-level cache, as a large model's
+activations and weights are during a step: on this project's machine (32 MiB of L3 shared by 2 cores) an add of
+1M-element operands ran at 18-21 GB/s, one of 8M at 10-13 GB/s, where the step's own adds and multiplies on
+6-28 MiB tensors ran at 1.4-1.5x their price from the smaller sizes."""
 
 
 ELEMENT_OP_SHAPE = (256, 1024)
