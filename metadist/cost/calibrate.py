@@ -94,13 +94,18 @@ def _kind_costs(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> 
         best: dict[float, float] = {}
         for sent, seconds in rows:
             best[sent] = min(seconds, best.get(sent, seconds))
-        if len(best) < 2:
-            continue
-        (small, small_s), (large, large_s) = min(best.items()), max(best.items())
-        beta = max((large_s - small_s) / (large - small), 1e-15)
-        fixed = max(small_s - small * beta, 0.0)
-        costs.append((kind, fixed, 1.0 / beta))
+        if len(best) >= 2:
+            costs.append((kind, *_through_ends(best)))
     return tuple(costs)
+
+
+def _through_ends(points: Mapping[float, float]) -> tuple[float, float]:
+    """(fixed seconds, bytes/s) of the line through the smallest and the largest of ``points`` ({bytes: seconds}, at
+    least two): the fixed cost is the smallest's time less its bytes' share, the rate the largest's bytes over its time
+    beyond that (at most 1e15 bytes/s, and the fixed cost at least 0, where the points fall)."""
+    (small, small_s), (large, large_s) = min(points.items()), max(points.items())
+    per_byte = max((large_s - small_s) / (large - small), 1e-15)
+    return max(small_s - small * per_byte, 0.0), 1.0 / per_byte
 
 
 def eager_op_overhead(figures: Mapping[str, float]) -> float:
@@ -197,22 +202,15 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
 
 def fsdp_unit_costs(figures: Mapping[str, Any]) -> tuple[tuple[str, float, float], ...]:
     """(variant, fixed seconds, bytes/s) of torch's FSDP2 per unit, through the smallest and the largest unit the worker
-    timed (``fsdp_unit_s:VARIANT:BYTES``, :func:`metadist.cost.calibrate_worker._fsdp_unit_seconds`), as
-    :func:`_kind_costs` fits a collective kind; nothing for a variant timed at fewer than two sizes. Not scaled by the
+    timed (``fsdp_unit_s:VARIANT:BYTES``, :func:`metadist.cost.calibrate_worker._fsdp_unit_seconds`), as a collective
+    kind is fitted (:func:`_through_ends`); nothing for a variant timed at fewer than two sizes. Not scaled by the
     sustained slowdown: every rank ran the units at once, as a step runs them."""
     by_variant: dict[str, dict[float, float]] = {}
     for key, seconds in figures.items():
         if key.startswith("fsdp_unit_s:"):
             _, variant, nbytes = key.split(":")
             by_variant.setdefault(variant, {})[float(nbytes)] = float(seconds)
-    costs = []
-    for variant, points in sorted(by_variant.items()):
-        if len(points) < 2:
-            continue
-        (small, small_s), (large, large_s) = min(points.items()), max(points.items())
-        per_byte = max((large_s - small_s) / (large - small), 1e-15)
-        costs.append((variant, max(small_s - small * per_byte, 0.0), 1.0 / per_byte))
-    return tuple(costs)
+    return tuple((variant, *_through_ends(points)) for variant, points in sorted(by_variant.items()) if len(points) >= 2)
 
 
 def _by_dtype(figures: Mapping[str, Any], prefix: str) -> dict[str, float]:

@@ -186,7 +186,7 @@ def _fsdp_comm(unit_bytes: Sequence[float], world: int, link: Any, reshard_after
     from ..cost.comm import collective_seconds
 
     gathers = 2 if reshard_after_forward else 1
-    measured = link.fsdp_unit_cost("zero3" if reshard_after_forward else "zero2") if world > 1 else None
+    measured = link.fsdp_unit_cost("zero3" if reshard_after_forward else "zero2")
     comm_s = comm_bytes = 0.0
     calls: dict[str, int] = {}
     for size in (size for size in unit_bytes if size > 0 and world > 1):
