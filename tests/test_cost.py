@@ -266,6 +266,39 @@ def test_fsdp_unit_costs_are_fitted_through_two_sizes_for_the_axis_of_all_the_pr
         replace(link, fsdp_unit_costs=(("zero2", 1e-3, 0.0),))
 
 
+def test_a_collective_kind_is_priced_on_the_line_through_its_sizes_from_a_mebibyte_up():
+    """Version 16: the calibration times collectives up to 32 MiB; each kind's time runs from its smallest message
+    (the fixed cost) through every message of 1 MiB or more, so a kind that slows per byte at large sizes (gloo's
+    all-gather of a 32 MiB shard between two processes: half the bytes/s of a 2 MiB one) is priced as it ran there,
+    and past the largest at the last stretch's rate. The sizes between the smallest and 1 MiB do not bend it."""
+    mib = 1 << 20
+
+    def all_gather_s(nbytes):  # 1 GB/s up to 2 MiB, then 0.5 GB/s; a noisy 256 KiB point
+        return 1e-4 + min(nbytes, 2 * mib) / 1e9 + max(nbytes - 2 * mib, 0) / 5e8 + (3e-4 if nbytes == 256 * 1024 else 0)
+
+    rows = [{"axis": 0, "group_size": 2, "op": op, "bytes": nbytes, "seconds": seconds(nbytes)}
+            for nbytes in (4096, 256 * 1024, 2 * mib, 32 * mib)
+            for op, seconds in (("all_gather", all_gather_s), ("all_reduce", lambda b: 2e-4 + b / 2e9))]
+    link = fit_link(rows, 2, "pair", reduce_scatter_as_all_reduce=True)
+    fixed, bandwidth = link.kind_cost("all_gather")
+    assert fixed == pytest.approx(1e-4) and bandwidth == pytest.approx(1e9)
+    assert link.kind_rates_beyond == (("all_gather", 2.0 * mib, pytest.approx(5e8)),
+                                      ("all_reduce", 2.0 * mib, pytest.approx(2e9)))
+    for nbytes in (4096, 2 * mib, 16 * mib, 32 * mib, 77 * mib):  # sent bytes = the shard's, on 2 processes
+        assert collective_seconds("all_gather", nbytes, 2, link)[0] == pytest.approx(all_gather_s(nbytes))
+    # the all-reduce is a straight line: one rate everywhere; a reduce-scatter takes its time (gloo runs it as one)
+    assert collective_seconds("all_reduce", 77 * mib, 2, link)[0] == pytest.approx(2e-4 + 77 * mib / 2e9)
+    assert collective_seconds("reduce_scatter", 77 * mib, 2, link) == collective_seconds("all_reduce", 77 * mib, 2, link)
+    # a bucketed call pays a share of the fixed cost and all of its bytes
+    assert collective_seconds("all_gather", 16 * mib, 2, link, fixed_share=0.5)[0] == pytest.approx(all_gather_s(16 * mib) - 5e-5)
+    # timed at small sizes only (a report before version 16): the line through its two ends, nothing beyond
+    small = fit_link([row for row in rows if row["bytes"] <= 256 * 1024], 2, "pair", reduce_scatter_as_all_reduce=True)
+    assert small.kind_rates_beyond == () and small.kind_cost("all_gather")[0] == pytest.approx(1e-4 - 4096 * 3e-4 / (252 * 1024))
+    assert Link(**json.loads(json.dumps({name: getattr(link, name) for name in link.__dataclass_fields__}))) == link
+    with pytest.raises(ClusterError, match="kind rates beyond"):
+        replace(link, kind_rates_beyond=(("all_gather", mib, 0.0),))
+
+
 def test_core_sharing_counts_the_hosts_compute_threads_per_core(monkeypatch):
     torch = pytest.importorskip("torch")
     from metadist.cost.calibrate_worker import core_sharing

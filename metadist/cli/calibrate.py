@@ -26,18 +26,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of local processes")
     parser.add_argument("--mesh", help="mesh shape over the processes, e.g. 2x2 (default: one axis of N)")
-    parser.add_argument("--sizes", default="4096,65536,1048576,4194304", help="message sizes in bytes, comma-separated")
+    parser.add_argument("--sizes", help="message sizes in bytes, comma-separated (default: 4 KiB to 32 MiB, "
+                        "metadist.cost.calibrate.FULL_SIZES)")
     parser.add_argument("--json", metavar="FILE", help="write the cluster JSON to FILE")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cost.calibrate import calibrate
+    from ..cost.calibrate import FULL_SIZES, calibrate
     from ..ir import Mesh
     from ..solver import errors  # noqa: F401  (its USER_ERRORS, ClusterError included, are the CLI's user errors)
 
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
-    cluster, report = calibrate(args.nproc, mesh, args.sizes)
+    cluster, report = calibrate(args.nproc, mesh, args.sizes or FULL_SIZES)
     cached = None
     if mesh.ndim == 1 and report["backend"] == "gloo":
         from ..config import settings_from_env

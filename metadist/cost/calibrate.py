@@ -45,8 +45,12 @@ logger = logging.getLogger(__name__)
 _STEPS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
-QUICK_SIZES = "4096,262144,2097152"
-"""Message sizes of the automatic calibration (bytes): short enough to run on first use."""
+QUICK_SIZES = "4096,262144,2097152,33554432"
+"""Message sizes of the automatic calibration (bytes): short enough to run on first use, and as large as a large
+model's shards and buckets (gloo's all-gather of a 32 MiB shard ran at half the bytes/s of a 2 MiB one)."""
+
+FULL_SIZES = "4096,65536,1048576,4194304,33554432"
+"""Message sizes of ``metadist calibrate`` (bytes)."""
 
 
 def _sent_bytes(op: str, buffer_bytes: float, n: int) -> float:
@@ -74,29 +78,45 @@ def fit_link(measurements: list[Mapping[str, Any]], axis_size: int, name: str, r
     weight = 1.0 / np.maximum(seconds, 1e-9)  # relative errors: small messages count as much as large ones
     (overhead, alpha, beta), *_ = np.linalg.lstsq(np.array(rows) * weight[:, None], seconds * weight, rcond=None)
     beta = max(float(beta), 1e-15)
+    costs, beyond = _kind_lines(measurements, axis_size, wire)
     return Link(bandwidth_bytes_per_s=1.0 / beta, latency_s=max(float(alpha), 0.0), call_overhead_s=max(float(overhead), 0.0), name=name,
-                reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce, kind_costs=_kind_costs(measurements, axis_size, wire))
+                reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce, kind_costs=costs, kind_rates_beyond=beyond)
 
 
-def _kind_costs(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> tuple[tuple[str, float, float], ...]:
-    """Per wire kind with two sizes or more: (kind, fixed seconds, bandwidth) through its smallest and largest message.
+LINE_BUFFER_BYTES = 1 << 20
+"""Message sizes from which the measured line of a collective kind goes through every size the calibration timed
+(:func:`_kind_lines`); the smaller sizes only set its fixed cost."""
 
-    The fixed cost is the smallest message's time (less its bytes' share), the bandwidth the largest message's bytes
-    over its time beyond that: the two points that decide small and large messages. A reduce-scatter run as an
-    all-reduce is one more measurement of the all-reduce (the faster at each size is kept).
+
+def _kind_lines(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> tuple[tuple, tuple]:
+    """Per wire kind with two sizes or more, the measured line of its time against the bytes it sends: ``(kind, fixed
+    seconds, bandwidth)`` (:attr:`.cluster.Link.kind_costs`) and ``(kind, sent bytes, bandwidth past them)``
+    (:attr:`.cluster.Link.kind_rates_beyond`).
+
+    The line runs from the smallest message through each message of :data:`LINE_BUFFER_BYTES` or more (through the
+    largest, where none is that large): the fixed cost is the smallest message's time less its bytes' share, and each
+    stretch between two of those messages moves its bytes at their difference over their times' difference. The
+    sizes between the smallest and a mebibyte, where the fixed cost dominates and the timings are noisiest, do not
+    bend it. A reduce-scatter run as an all-reduce is one more measurement of the all-reduce (the faster at each size
+    is kept).
     """
-    by_kind: dict[str, list[tuple[float, float]]] = {}
+    by_kind: dict[str, dict[float, tuple[float, float]]] = {}
     for m in measurements:
         kind = wire(m["op"])
-        by_kind.setdefault(kind, []).append((_sent_bytes(kind, m["bytes"], axis_size), m["seconds"]))
-    costs = []
-    for kind, rows in sorted(by_kind.items()):
-        best: dict[float, float] = {}
-        for sent, seconds in rows:
-            best[sent] = min(seconds, best.get(sent, seconds))
-        if len(best) >= 2:
-            costs.append((kind, *_through_ends(best)))
-    return tuple(costs)
+        sent = _sent_bytes(kind, m["bytes"], axis_size)
+        best = by_kind.setdefault(kind, {})
+        best[sent] = min((m["seconds"], m["bytes"]), best.get(sent, (m["seconds"], m["bytes"])))
+    costs, beyond = [], []
+    for kind, best in sorted(by_kind.items()):
+        if len(best) < 2:
+            continue
+        sizes = sorted(best)
+        through = [sent for sent in sizes[1:] if best[sent][1] >= LINE_BUFFER_BYTES] or sizes[-1:]
+        line = [sizes[0], *through]
+        costs.append((kind, *_through_ends({sent: best[sent][0] for sent in line[:2]})))
+        for start, end in zip(line[1:], line[2:]):
+            beyond.append((kind, start, _through_ends({sent: best[sent][0] for sent in (start, end)})[1]))
+    return tuple(costs), tuple(beyond)
 
 
 def _through_ends(points: Mapping[float, float]) -> tuple[float, float]:
@@ -273,7 +293,7 @@ def _fresh_launch_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in launch and not key.startswith("TORCHELASTIC_")}
 
 
-def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,1048576,4194304") -> tuple[Cluster, dict[str, Any]]:
+def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> tuple[Cluster, dict[str, Any]]:
     """Measure this machine: the fitted cluster and the raw report."""
     mesh = mesh or Mesh((nproc,))
     report = run_workers(nproc, mesh, sizes)
@@ -283,7 +303,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = "4096,65536,104
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 14
+CALIBRATION_VERSION = 16
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -299,8 +319,10 @@ runtime's captured and eager calibration steps timed one process at a time (thei
 calibrations on 4 processes sharing 2 cores); 12: the host's compute threads per core (``core_sharing``), a floor
 of the sustained slowdown; 13: what an op on a sharded DTensor costs beyond the same op on a plain tensor
 (``dtensor_op_s``: torch's FSDP2 and tensor parallelism priced as they run); 14: what torch's FSDP2 adds per unit
-of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`). A cache
-of an older version is measured again, not read."""
+of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`); 15:
+taken by a change since reverted (the elementwise curve to 32M elements); 16: collectives timed at 32 MiB too, and
+priced on the line through the sizes timed from 1 MiB up (:attr:`.cluster.Link.kind_rates_beyond`). A cache of an
+older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """One rank of ``metadist calibrate`` (launched by torchrun; the only torch code under ``cost``).
 
 Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each mesh axis's
-process groups for several message sizes (gloo on CPU, NCCL with CUDA). Then every rank, all at
+process groups for several message sizes, up to 32 MiB (gloo on CPU, NCCL with CUDA). On CPU the ranks keep freed
+host memory for reuse, as the steps they price do (:mod:`metadist.runtime.host_memory`): otherwise each large
+buffer is fresh pages, and a 32 MiB all-to-all between two processes took twice as long. Then every rank, all at
 once (as they compute in a training step, sharing the machine's cores), times float32 matmuls
 (FLOP/s), a memory-bound elementwise add (bytes/s), a stream of tiny ops (the fixed cost of one
 op) and the ops that compute more than they move (exp, tanh, softmax: seconds per element); the
@@ -77,8 +79,17 @@ def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
         dist.all_to_all_single(torch.empty_like(tensor), tensor, group=group)
 
 
+LARGE_MESSAGE_BYTES = 1 << 23
+"""Messages of this size or more are timed :data:`LARGE_MESSAGE_REPEATS` times, not ``--repeats`` times: a gloo
+all-gather of a 32 MiB shard among 4 CPU processes takes a few hundred milliseconds, and its times vary little."""
+
+LARGE_MESSAGE_REPEATS = 5
+
+
 def _time(op: str, nbytes: int, group, size: int, device: torch.device, repeats: int) -> float:
     tensor = torch.ones(max(size, nbytes // 4 // size * size), dtype=torch.float32, device=device)
+    if nbytes >= LARGE_MESSAGE_BYTES:
+        repeats = min(repeats, LARGE_MESSAGE_REPEATS)
     for _ in range(2):
         _run(op, tensor, group, size)
     samples = []
@@ -125,12 +136,16 @@ STREAM_ROWS, STREAM_WIDTH = 8, 2048
 float32 ``[8, 4096] @ [4096, 4096]`` ran at 8 GFLOP/s against 70 for a square matmul of the same FLOPs, about 2 GB/s
 of the operand's bytes, where the elementwise rate was 21 GB/s."""
 
-ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+ELEMENTWISE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23, 1 << 25)
 """Element counts of the elementwise bytes/s curve (a cache-resident add runs several times faster per byte). The
-largest (8M elements: three float32 operands of 32 MiB) is past a CPU's last-level cache, as a large model's
-activations and weights are during a step: on this project's machine (32 MiB of L3 shared by 2 cores) an add of
-1M-element operands ran at 18-21 GB/s, one of 8M at 10-13 GB/s, where the step's own adds and multiplies on
-6-28 MiB tensors ran at 1.4-1.5x their price from the smaller sizes."""
+largest (32M elements: three float32 operands of 128 MiB) streams from memory, as a large model's activations,
+weights, gradients and optimizer states do during a step; its rate caps every size's (:meth:`~.cluster.Device.
+bandwidth_bytes_per_s`). On this project's machine (32 MiB of L3 shared by 2 cores) an add of 1M-element operands ran
+at 18-21 GB/s, one of 8M at 10-13 GB/s, where the step's own adds and multiplies on 6-28 MiB tensors ran at 1.4-1.5x
+their price from the smaller sizes (version 9 added 8M). Later, 2 processes at once: 8M elements 21-28 GB/s, 32M 15;
+an update's ops on GPT-2 small's parameters (0.6-38.6M elements each, read where the pass before left them) 13-15 GB/s
+whatever their size, 1.6-1.9x their price when 8M was the largest (version 16 added 32M, with the collectives timed at
+32 MiB: priced from 2 MiB, a plan leaning on large all-gathers ran worse than the one before)."""
 
 
 ELEMENT_OP_SHAPE = (256, 1024)
@@ -638,11 +653,17 @@ def _world_mesh(world: int):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 4 or 2x2")
-    parser.add_argument("--sizes", default="4096,65536,1048576,4194304", help="message sizes in bytes, comma-separated")
+    parser.add_argument("--sizes", required=True, help="message sizes in bytes, comma-separated")
     parser.add_argument("--repeats", type=int, default=21, help="timed calls per collective and size (the median is kept)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available()
+    if not use_cuda:  # the host heap the steps it prices run with: fresh pages for every large buffer otherwise
+        from ..config import settings_from_env
+        from ..runtime.host_memory import keep_freed_host_memory
+
+        if settings_from_env().keeps_host_memory:
+            keep_freed_host_memory()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     shape = [int(part) for part in args.mesh.split("x")]

@@ -50,7 +50,14 @@ class Link:
     kind_costs: tuple[tuple[str, float, float], ...] = ()
     """Measured (collective kind, fixed seconds per call, bandwidth) of kinds whose algorithm the backend runs at its
     own speed (gloo's all-gather is several times slower per byte than its all-reduce); a kind listed here is priced
-    ``fixed + sent / bandwidth`` instead of the alpha-beta figures above. Empty for the presets."""
+    ``fixed + sent / bandwidth`` instead of the alpha-beta figures above (up to the first of :attr:`kind_rates_beyond`).
+    Empty for the presets."""
+    kind_rates_beyond: tuple[tuple[str, float, float], ...] = ()
+    """Measured (collective kind, sent bytes, bandwidth): past that many bytes sent, a collective of a kind in
+    :attr:`kind_costs` moves its further bytes at this bandwidth, up to the kind's next entry. The time of a kind is
+    the line through the calibration's measured sizes (:func:`metadist.cost.calibrate.fit_link`): gloo's all-gather
+    of a 32 MiB shard between two CPU processes ran at half the bytes/s of a 2 MiB one, its all-reduce at 1.3 times.
+    Empty for the presets and calibrations before version 15."""
     fsdp_unit_costs: tuple[tuple[str, float, float], ...] = ()
     """Measured (variant, fixed seconds, bytes/s) of what torch's FSDP2 adds to a step per unit over this link's
     ranks, ``zero2`` (parameters kept gathered from forward to backward) and ``zero3`` (gathered again for the
@@ -60,7 +67,7 @@ class Link:
     units are priced by their collectives alone."""
 
     def __post_init__(self) -> None:
-        for name in ("kind_costs", "fsdp_unit_costs"):
+        for name in ("kind_costs", "kind_rates_beyond", "fsdp_unit_costs"):
             costs = tuple(sorted((str(kind), float(fixed), float(rate)) for kind, fixed, rate in getattr(self, name)))
             object.__setattr__(self, name, costs)
             if any(fixed < 0 or rate <= 0 for _, fixed, rate in costs):
@@ -74,6 +81,22 @@ class Link:
             if name == kind:
                 return fixed, bandwidth
         return None
+
+    def kind_transfer_seconds(self, kind: str, sent: float) -> float | None:
+        """The seconds a collective of ``kind`` spends on ``sent`` bytes beyond its fixed cost, on the measured line of
+        :attr:`kind_costs` and :attr:`kind_rates_beyond`; None when the kind follows the alpha-beta figures."""
+        measured = self.kind_cost(kind)
+        if measured is None:
+            return None
+        bandwidth, done, seconds = measured[1], 0.0, 0.0
+        for name, start, rate in self.kind_rates_beyond:
+            if name != kind or start <= done:
+                continue
+            if sent <= start:
+                break
+            seconds += (start - done) / bandwidth
+            bandwidth, done = rate, start
+        return seconds + max(sent - done, 0.0) / bandwidth
 
     def fsdp_unit_cost(self, variant: str) -> tuple[float, float] | None:
         """(fixed seconds, bytes/s) measured for an FSDP2 unit of ``variant`` (``zero2``, ``zero3``); None where not

@@ -35,7 +35,8 @@ bytes counted, as that all-reduce: ``2 (n-1) alpha + 2 (n-1)/n B / bw``.
 
 A calibrated link may carry measured per-kind costs (:attr:`.cluster.Link.kind_costs`: gloo's
 all-gather is several times slower per byte than its all-reduce); such a kind is priced
-``fixed + sent / bandwidth`` with its own figures.
+``fixed + sent / bandwidth`` with its own figures, the bandwidth changing past the sizes where the calibration
+measured it change (:attr:`.cluster.Link.kind_rates_beyond`).
 
 Every collective also pays the link's ``sync_s``: inside a step a collective waits for the slower
 peer (processes that share cores drift apart while they compute), which the isolated measurements
@@ -214,8 +215,7 @@ def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, 
     share = 1.0 if kind == "all_to_all" else fixed_share
     measured = link.kind_cost(wire)
     if measured is not None:
-        fixed, bandwidth = measured
-        return share * (fixed + link.sync_s) + sent / bandwidth, sent
+        return share * (measured[0] + link.sync_s) + link.kind_transfer_seconds(wire, sent), sent
     steps = 2 * (n - 1) if wire == "all_reduce" else n - 1
     return share * (link.call_overhead_s + link.sync_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
 
