@@ -36,7 +36,7 @@ def test_a_reshape_that_merges_the_split_dim_keeps_refusing_uneven_pieces():
     assert ("f0",) in _choices(node_strategies(merge, ((8, 3),), ((24,),), Mesh((4,))))
 
 
-def test_halo_factors_and_empty_max_pieces_are_refused_with_their_reason():
+def test_halo_factors_and_empty_max_or_identity_pieces_are_refused_with_their_reason():
     conv = parse_rule("abcd,eb__->aecd | b:sum c:halo=1")
     halo = node_strategies(conv, ((2, 3, 10, 8), (4, 3, 3, 3)), ((2, 4, 10, 8),), Mesh((4,)))
     assert dict(halo.excluded_uneven) == {"halo": 1}  # 10 rows over 4: the halo exchange needs equal pieces
@@ -45,6 +45,16 @@ def test_halo_factors_and_empty_max_pieces_are_refused_with_their_reason():
     assert ("f0",) in _choices(node_strategies(amax, ((7, 5),), ((5,),), Mesh((4,))))  # 2, 2, 2, 1: no empty piece
     total = parse_rule("ab->b | a:sum")
     assert ("f0",) in _choices(node_strategies(total, ((6, 5),), ((5,),), Mesh((4,))))  # an empty piece sums to zeros
+    # an output every piece computes whole must not come from an empty piece: convolution_backward split along 3
+    # input channels over 2x2 (2 / 1, 1 / 0) gave the bias gradient as zeros on the rank with no channel
+    backward = parse_rule("__,_b->_b,_ | b:id")  # (grad_out, input) -> (grad_weight, grad_bias)
+    shapes = ((4, 16), (4, 3)), ((4, 3), (16,))
+    square = node_strategies(backward, *shapes, Mesh((2, 2)))
+    assert ("f0", "f0") not in _choices(square) and dict(square.excluded_uneven) == {"empty_identity": 1}
+    assert ("f0", "R") in _choices(square) and square.uneven >= 1  # 2, 1: uneven, no empty piece
+    assert ("f0",) not in _choices(node_strategies(backward, *shapes, Mesh((4,))))  # 1, 1, 1, 0
+    no_bias = node_strategies(backward, shapes[0], ((4, 3), None), Mesh((4,)))  # the output not asked for
+    assert ("f0",) in _choices(no_bias) and not no_bias.excluded_uneven
 
 
 def test_even_only_runtimes_get_no_uneven_strategy():

@@ -18,7 +18,13 @@ keeps its meaning on chunk pieces: each piece of each of those tensors is the sa
   not the pieces of the other, and no local rewrite of the op's arguments makes them so;
 - ``halo``: a halo factor (its exchange needs equal pieces, at least the halo wide);
 - ``empty_max_min``: a factor that reduces with ``max``/``min`` would run on an empty piece
-  (the kernels refuse an empty reduction).
+  (the kernels refuse an empty reduction);
+- ``empty_identity``: a factor with an output every piece computes whole (:class:`~metadist.ir.rule.Identity`)
+  would run on an empty piece. ShardCombine verifies a rule on non-empty pieces only, and a kernel given an empty
+  input may skip the work its other outputs need: ``convolution_backward`` split along 3 input channels over 2x2
+  (pieces 2 / 1, 1 / 0) returned a bias gradient of zeros on the rank with no channel, which the plan took as the
+  whole gradient (ConvNeXt's patch embedding, on one rank of four, whose replicated parameters then drifted from
+  the others' from the second step on).
 
 Graph inputs may start in any uneven sharding (a batch of 6 over 4 devices: rows 2, 2, 2, 0).
 
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..ir import Mesh, Replicate, Rule, Shard, TensorSpec
-from ..ir.rule import Concat, Reduce, halo_trim
+from ..ir.rule import Concat, Identity, Reduce, halo_trim
 from ..lowering.shapes import chunk_bounds, is_even
 from ..ir.plan import REPLICATE, AxisChoice, NodeStrategy, PlanError, strategy_from_choices
 from .errors import SolverError
@@ -52,6 +58,7 @@ UNEVEN_REASONS = {
                     "torch.chunk pieces of one are not pieces of the other",
     "halo": "a halo factor needs equal pieces, each at least as wide as the halo, with whole output trims",
     "empty_max_min": "a max/min reduction would run on an empty piece",
+    "empty_identity": "an output every piece computes whole would come from an empty piece",
     "runtime_even_only": "the plan is for a runtime that takes even shards only (JAX's in and out shardings)",
 }
 
@@ -112,6 +119,9 @@ def _split_check(rule: Rule, choices: tuple[AxisChoice, ...], mesh: Mesh, input_
             return "sizes_differ"
         if 0 in piece_lengths(sizes[0], axis_sizes) and any(isinstance(out, Reduce) and out.op != "sum" for out in factor.outputs):
             return "empty_max_min"
+        if 0 in piece_lengths(sizes[0], axis_sizes) and any(
+                isinstance(out, Identity) and output_shapes[slot] is not None for slot, out in enumerate(factor.outputs)):
+            return "empty_identity"
         verdict = "uneven"
     return verdict
 
