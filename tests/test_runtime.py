@@ -136,6 +136,56 @@ def test_the_first_run_takes_out_only_the_layout_calls_that_did_nothing():
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].is_contiguous()
 
 
+def _replica_drift(model_name: str, mesh: tuple) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import metadist
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload(model_name)
+    model, step = workload.model, workload.train_step()
+    optimizer = workload.optimizer(model.parameters())
+    compiled = metadist.compile(step, mesh=mesh, plan="replicate", cluster="cpu-gloo")
+    compiled(model, optimizer, workload.batch)
+    inner = compiled.compiled
+    found = {"clean": inner.replica_disagreements()}
+    name, param = next((name, param) for name, param in model.named_parameters()
+                       if isinstance(param, DTensor) and param._local_tensor.numel() > 3)
+    local = param._local_tensor.view(-1)
+    with torch.no_grad():
+        if dist.get_rank() == 1:  # two elements swapped: the same sum and absolute sum
+            local[0], local[1] = local[1].clone(), local[0].clone()
+    found["swapped"] = inner.replica_disagreements()
+    with torch.no_grad():
+        if dist.get_rank() == 1:
+            local[0], local[1] = local[1].clone(), local[0].clone()
+            local[2] += 1e-3 * local.abs().sum()
+    found["moved"] = inner.replica_disagreements()
+    found["name"] = name
+    return found
+
+
+@pytest.mark.distributed
+def test_replicated_copies_that_drift_apart_on_one_rank_are_found():
+    """The check reads the first device's copy of a replicated value; every rank's copies are also compared through
+    fingerprints (a kernel that computed a whole output from an empty piece did so on one rank of four: its
+    replicated parameters drifted while rank 0's stayed right). An element moved, or two swapped, on rank 1 is
+    found and named; copies left alone agree."""
+    from test_runtime_support import run_distributed
+
+    for result in run_distributed(_replica_drift, 2, "mlp", (2,), timeout_s=300):
+        assert result["clean"] == []
+        for case in ("swapped", "moved"):
+            assert [(name, rank) for name, _, rank in result[case]] == [(result["name"], 1)], (case, result[case])
+            assert result[case][0][1] > 1e-5
+    reference = ReferenceRun((1.0,), {"w": torch.ones(2)}, {"w": torch.ones(2)})
+    report = compare_runs(reference, [1.0], {"w": torch.ones(2)}, {"w": torch.ones(2)}, replicas=[("w", 0.5, 3)])
+    assert not report.ok and report.worst().name == "replicas:w@rank3"
+    with pytest.raises(CheckError, match="replicas:w@rank3"):
+        report.raise_if_failed()
+
+
 def _three_steps_compiled_and_eager(model_name: str, mesh: tuple) -> dict:
     import copy
 

@@ -46,6 +46,12 @@ such parameters (batch-norm statistics after a conv bias) are not excused:
 check those models with ``--optimizer sgd``, where the update is linear in
 the gradient (the small CNN passes that way).
 
+The comparison reads one copy of a replicated value (the first device's). Each rank's copies are also
+compared with the others' through a fingerprint of each piece (its sum, absolute sum and the sum of every third
+element; :meth:`metadist.runtime.CompiledStep.replica_disagreements`): a rank whose replicated parameters or
+states drifted (a kernel that computed a whole output from an empty piece did so on one rank of four) fails the
+check as ``replicas:NAME@rankR`` even while the first device's copy is right.
+
 The noise floor is measured from the gradients' differences, so only a check
 that compares gradients excuses anything. A plan file made for the step
 without gradient outputs (``metadist plan``) compares none: parameter
@@ -67,7 +73,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -307,6 +313,7 @@ def compare_runs(
     state: Mapping[str, torch.Tensor] | TensorStream,
     grads: Mapping[str, torch.Tensor] | TensorStream | None,
     tolerance: Tolerance | None = None,
+    replicas: Sequence[tuple[str, float, int]] = (),
 ) -> CheckReport:
     """Compare a distributed run with the reference: every loss, gradient and state tensor.
 
@@ -315,11 +322,16 @@ def compare_runs(
     ``state`` and ``grads`` may come one tensor at a time (:class:`TensorStream`): each is compared and let go
     before the next is asked for, the gradients first (their differences set the state's noise floor), then the
     state; both streams are run to their end, also when the comparison stops on an error (:func:`run_out`).
+    ``replicas``: the values whose copies on the ranks that hold the same piece disagree, ``(name, relative
+    difference, rank)`` (:meth:`metadist.runtime.CompiledStep.replica_disagreements`); each fails the check as
+    ``replicas:NAME@rankR``.
     """
     try:
-        return _compare(reference, losses, state, grads, tolerance)
+        report = _compare(reference, losses, state, grads, tolerance)
     finally:
         run_out(grads, state)
+    drifted = tuple(Difference(f"replicas:{name}@rank{rank}", difference, difference, False) for name, difference, rank in replicas)
+    return replace(report, differences=report.differences + drifted) if drifted else report
 
 
 def run_out(*streams: Any) -> None:

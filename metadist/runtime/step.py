@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 _STATE_KINDS = ("param", "buffer", "state")
 
+REPLICA_TOLERANCE = 1e-5
+"""How far two copies of a replicated piece may differ (:meth:`CompiledStep.replica_disagreements`), relative to the
+piece's absolute sum: copies made by the same kernels on the same inputs agree exactly."""
+
 BATCH_MODES = ("global", "local")
 """``global``: every rank passes the whole batch (checked alike); ``local``: each rank its slice along dim 0."""
 
@@ -414,6 +418,52 @@ class CompiledStep:
         self._require_state()
         return [(name, self._binding.read(name), name, self._program_inputs[name].sharding)
                 for name, slot in self._slots.items() if slot.kind in _STATE_KINDS]
+
+    def replica_disagreements(self, tolerance: float = REPLICA_TOLERANCE) -> list[tuple[str, float, int]]:
+        """The state and gradient values whose copies disagree across the ranks that should hold the same piece
+        (collective; every rank gets the answer): ``(name, relative difference, rank)`` of the worst copy of each.
+
+        A value replicated over a mesh axis is computed, or received, whole on each rank of that axis, and a check
+        compares one copy (:meth:`_each_to_first` takes coordinate 0's): a rank whose copy drifted would go unseen
+        until it spread. Each rank sends, per value with a replicated axis, the float64 sum of its piece, of its
+        absolute values and of every third element (which moves when elements are permuted); the ranks at the same
+        coordinates on the value's other axes are held to ``tolerance`` times the piece's absolute sum. Copies made
+        by the same kernels on the same inputs agree exactly; the bound leaves room for a kernel whose reduction
+        order follows the shape of an operand the value does not depend on."""
+        items = [(key, local, sharding) for key, local, _, sharding in self._state_items() + self._grad_items()
+                 if any(isinstance(placement, Replicate) for placement in sharding)
+                 and all(isinstance(placement, (Shard, Replicate)) for placement in sharding)
+                 and local.is_floating_point()]
+        prints = torch.zeros((len(items), 3), dtype=torch.float64)
+        for row, (_, local, _) in enumerate(items):
+            flat = local.detach().reshape(-1)  # summed in float64 as it is read, without a float64 copy
+            prints[row, 0] = flat.sum(dtype=torch.float64).item()
+            prints[row, 1] = torch.linalg.vector_norm(flat, 1, dtype=torch.float64).item()
+            prints[row, 2] = flat[::3].sum(dtype=torch.float64).item()
+        if self.plan.mesh.size != torch.distributed.get_world_size():
+            raise RuntimeSetupError(f"replica_disagreements compares the copies of a mesh of every process; this mesh "
+                                    f"has {self.plan.mesh.size} of {torch.distributed.get_world_size()}")
+        gathered = [torch.zeros_like(prints, device=self.device) for _ in range(self.plan.mesh.size)]
+        torch.distributed.all_gather(gathered, prints.to(self.device))
+        by_rank = [tensor.cpu() for tensor in gathered]
+        ranks = [int(rank) for rank in self.device_mesh.mesh.flatten().tolist()]
+        gathered = [by_rank[rank] for rank in ranks]  # in mesh order
+        coords = {rank: mesh_coordinates(self.plan.mesh, index) for index, rank in enumerate(ranks)}
+        found = []
+        for row, (key, _, sharding) in enumerate(items):
+            first: dict[tuple, int] = {}
+            worst = (0.0, -1)
+            for index, rank in enumerate(ranks):
+                group = tuple(c for c, placement in zip(coords[rank], sharding) if not isinstance(placement, Replicate))
+                leader = first.setdefault(group, index)
+                mine, theirs = gathered[index][row], gathered[leader][row]
+                scale = float(max(mine[1], theirs[1]))
+                difference = float((mine - theirs).abs().max()) / scale if scale > 0 else 0.0
+                if not difference <= tolerance and not difference <= worst[0]:  # a NaN fingerprint disagrees
+                    worst = (difference, rank)
+            if worst[1] >= 0:
+                found.append((key, worst[0], worst[1]))
+        return found
 
     def sharded_state_dict(self) -> dict:
         """Parameters, buffers and optimizer states as DTensors over this rank's shards (no copy, no collective)."""

@@ -228,8 +228,9 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     report = None
     if reference is not None:
         # the whole tensors on rank 0 alone, which compares them one at a time: each piece sent there once
+        replicas = compiled.replica_disagreements()  # collective: every rank's copies of its replicated pieces
         report = compare_on_rank_zero(reference, losses, compiled.state_one_by_one(),
-                                      compiled.grads_one_by_one() if compare_grads else None, reporter)
+                                      compiled.grads_one_by_one() if compare_grads else None, reporter, replicas)
     if config.summary_path is not None and env.rank == 0:
         _write_summary(config, workload, parameters, plan, torch_step.graph, losses, report, phase_times)
     if report is not None:
@@ -280,8 +281,9 @@ def reference_on_rank_zero(config: WorkerConfig, env, run):
     return reference
 
 
-def compare_on_rank_zero(reference, losses, state, grads, reporter):
-    """Rank 0's comparison of the run with the reference (reported); None on the other ranks.
+def compare_on_rank_zero(reference, losses, state, grads, reporter, replicas=()):
+    """Rank 0's comparison of the run with the reference (reported); None on the other ranks. ``replicas``: the
+    values whose copies disagree across ranks (:meth:`~.step.CompiledStep.replica_disagreements`), failures too.
 
     ``state`` and ``grads``: whole tensors by name, gathered by every rank (collectives) before this, or
     :class:`~.check.TensorStream` of them gathered to rank 0 one at a time as it compares (collectives: every rank
@@ -292,7 +294,7 @@ def compare_on_rank_zero(reference, losses, state, grads, reporter):
         run_out(grads, state)
         return None
     with local_cores():
-        report = compare_runs(reference, losses, state, grads)
+        report = compare_runs(reference, losses, state, grads, replicas=replicas)
     reporter.check(report)
     return report
 
