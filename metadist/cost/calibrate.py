@@ -321,8 +321,9 @@ of the sustained slowdown; 13: what an op on a sharded DTensor costs beyond the 
 (``dtensor_op_s``: torch's FSDP2 and tensor parallelism priced as they run); 14: what torch's FSDP2 adds per unit
 of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`); 15:
 taken by a change since reverted (the elementwise curve to 32M elements); 16: collectives timed at 32 MiB too, and
-priced on the line through the sizes timed from 1 MiB up (:attr:`.cluster.Link.kind_rates_beyond`). A cache of an
-older version is measured again, not read."""
+priced on the line through the sizes timed from 1 MiB up (:attr:`.cluster.Link.kind_rates_beyond`), the workers
+keeping freed host memory as the steps do, and the elementwise curve to 32M elements (version 15's point). A cache
+of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

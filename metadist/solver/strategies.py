@@ -117,11 +117,11 @@ def _split_check(rule: Rule, choices: tuple[AxisChoice, ...], mesh: Mesh, input_
             return "halo"
         if len(set(sizes)) != 1:
             return "sizes_differ"
-        if 0 in piece_lengths(sizes[0], axis_sizes) and any(isinstance(out, Reduce) and out.op != "sum" for out in factor.outputs):
-            return "empty_max_min"
-        if 0 in piece_lengths(sizes[0], axis_sizes) and any(
-                isinstance(out, Identity) and output_shapes[slot] is not None for slot, out in enumerate(factor.outputs)):
-            return "empty_identity"
+        if 0 in piece_lengths(sizes[0], axis_sizes):
+            if any(isinstance(out, Reduce) and out.op != "sum" for out in factor.outputs):
+                return "empty_max_min"
+            if any(isinstance(out, Identity) and output_shapes[slot] is not None for slot, out in enumerate(factor.outputs)):
+                return "empty_identity"
         verdict = "uneven"
     return verdict
 
