@@ -267,6 +267,37 @@ def test_slice_of_a_sharded_dim_is_rejected():
         lower(graph, plan, (0,))
 
 
+def test_a_plan_that_computes_a_whole_output_from_an_empty_piece_is_refused():
+    """A plan file made before the solver excluded such splits: convolution_backward split along 3 input channels over
+    2x2 (2 / 1, 1 / 0) with its bias gradient replicated (every piece computes it whole), or a max reduction of an
+    empty piece, is refused on every rank; a sum of an empty piece (zeros) and a split with no empty piece are not."""
+    f32 = lambda *shape: TensorSpec(tuple(shape), "float32")
+    graph = Graph(
+        (GraphInput(Value("g", f32(4, 16)), Role.ACTIVATION), GraphInput(Value("x", f32(4, 3)), Role.BATCH)),
+        (Node("cb", MetaOp("test.weight_and_bias_grads"), (ValueRef("g"), ValueRef("x")), (),  # as convolution_backward
+              (Value("gw", f32(16, 3)), Value("gb", f32(16)))),),
+        (GraphOutput("gw", Role.ACTIVATION), GraphOutput("gb", Role.ACTIVATION)),
+    )
+
+    def plan(mesh, x, outputs):
+        choices = tuple(AxisChoice("factor", 0) for _ in mesh.shape)
+        replicated = tuple(S("(R)")[0] for _ in mesh.shape)
+        strategy = NodeStrategy(choices, (replicated, S(x)), tuple(S(text) for text in outputs))
+        return Plan("step", graph_fingerprint(graph), "test", mesh, {"cb": strategy}, {"g": replicated, "x": S(x)},
+                    tuple(S(text) for text in outputs))
+
+    square = Mesh((2, 2))
+    for coords in ((0, 0), (1, 1)):
+        with pytest.raises(LoweringError, match=r"node 'cb'.*dim 1 of size 3 over mesh axes of sizes \[2, 2\].*output\(s\) \[1\]"):
+            lower(graph, plan(square, "(S(1), S(1))", ("(S(1), S(1))", "(R, R)")), coords)
+    with pytest.raises(LoweringError, match="leaves a piece empty"):
+        lower(graph, plan(square, "(S(1), S(1))", ("(S(1), S(1))", "(P(max), P(max))")), (0, 0))
+    for ok in (plan(square, "(S(1), S(1))", ("(S(1), S(1))", "(P(sum), P(sum))")),  # an empty piece sums to zeros
+               plan(Mesh((2,)), "(S(1))", ("(S(1))", "(R)"))):  # 2, 1: no empty piece
+        for coords in itertools.product(*(range(size) for size in ok.mesh.shape)):
+            assert [item.node for item in lower(graph, ok, coords).instructions if isinstance(item, LocalOp)] == ["cb"]
+
+
 def test_lowering_imports_no_framework():
     code = "import sys; sys.modules['torch'] = None; sys.modules['jax'] = None; import metadist.lowering"
     subprocess.run([sys.executable, "-c", code], check=True)

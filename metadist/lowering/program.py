@@ -28,7 +28,7 @@ from .errors import LoweringError
 from .halo import halo_exchange_step, halo_trim_step
 from .reshard import COLLECTIVE_KINDS, ReshardStep, plan_resharding
 from .rewrite import NodeContext, rewrite_node_args
-from .shapes import local_shape, mesh_coordinates
+from .shapes import local_shape, mesh_coordinates, piece_lengths
 
 __all__ = ["LocalOp", "RandomDraw", "Reshard", "BucketMember", "CoalescedReshard", "Wait", "ProgramInput", "ProgramOutput",
            "RankProgram", "lower", "lower_for_rank"]
@@ -301,6 +301,34 @@ class _Lowering:
             self.sharding[name] = sharding
         return tuple(result)
 
+    def _refuse_whole_outputs_of_empty_pieces(self, node: Node, strategy) -> None:
+        """A plan that splits an input of ``node`` so that a piece is empty, on an axis where an output must still come
+        whole from every piece (``Replicate``) or as its max or min (``Partial(max/min)``), is refused: ShardCombine
+        verifies rules on non-empty pieces only, and a kernel given an empty input may skip the work the output needs
+        (``convolution_backward`` on no input channel returned a zero bias gradient). The solver never plans such a
+        split (:mod:`metadist.solver.strategies`: ``empty_identity``, ``empty_max_min``); a plan file made before it
+        excluded them is refused here, on every rank."""
+        for axis, choice in enumerate(strategy.choices):
+            if choice.kind != "factor":
+                continue
+            whole = [slot for slot, (value, sharding) in enumerate(zip(node.outputs, strategy.outputs))
+                     if value is not None and sharding is not None and (isinstance(sharding[axis], Replicate) or (
+                         isinstance(sharding[axis], Partial) and sharding[axis].op != "sum"))]
+            if not whole:
+                continue
+            for index, name in enumerate(node.input_names):
+                placement = strategy.inputs[index][axis]
+                if not isinstance(placement, Shard):
+                    continue
+                size = self.graph.value(name).spec.shape[placement.dim]
+                axes = [self.mesh.shape[other] for other, item in enumerate(strategy.inputs[index]) if item == placement]
+                if 0 in piece_lengths(size, axes):
+                    raise LoweringError(
+                        f"node {node.name!r} ({node.op.target}): the plan splits input {index} (%{name}) along dim "
+                        f"{placement.dim} of size {size} over mesh axes of sizes {axes}, which leaves a piece empty, while "
+                        f"output(s) {whole} must come whole, or as a max or min, from every piece; a kernel given an "
+                        "empty input may skip that work. Plan again with this MetaDist (its solver excludes such splits)")
+
     def use(self, name: str, wanted: tuple, what: str) -> str:
         """The local value that holds ``name`` in sharding ``wanted``, resharding on first need."""
         current = self.sharding[name]
@@ -326,6 +354,7 @@ class _Lowering:
                 f"{len(strategy.outputs)} output shardings; the node has {len(names)} and {len(node.outputs)}. "
                 "The plan was made for another graph: plan again"
             )
+        self._refuse_whole_outputs_of_empty_pieces(node, strategy)
         counter = iter(range(len(names)))
         shape_only = node.op.is_random and node.op.target in SHAPE_ONLY_RANDOM_OPS
 

@@ -40,6 +40,14 @@ def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(full, size - start)
 
 
+def piece_lengths(size: int, axis_sizes: Sequence[int]) -> set[int]:
+    """Every piece length of a dim of ``size`` cut by ``torch.chunk`` over nested axes of ``axis_sizes``."""
+    lengths = {size}
+    for parts in axis_sizes:
+        lengths = {chunk_bounds(extent, parts, index)[1] for extent in lengths for index in range(parts)}
+    return lengths
+
+
 def mesh_coordinates(mesh: Mesh, rank: int) -> tuple[int, ...]:
     """The coordinates of ``rank`` on the mesh (row-major, as ``init_device_mesh`` lays ranks out)."""
     if not 0 <= rank < mesh.size:

@@ -47,7 +47,7 @@ from typing import Sequence
 
 from ..ir import Mesh, Replicate, Rule, Shard, TensorSpec
 from ..ir.rule import Concat, Identity, Reduce, halo_trim
-from ..lowering.shapes import chunk_bounds, is_even
+from ..lowering.shapes import is_even, piece_lengths
 from ..ir.plan import REPLICATE, AxisChoice, NodeStrategy, PlanError, strategy_from_choices
 from .errors import SolverError
 
@@ -135,14 +135,6 @@ def _occupied_sizes(factor, input_shapes, output_shapes) -> list[int]:
         if isinstance(combine, Concat) and output_shapes[slot] is not None
     ]
     return sizes
-
-
-def piece_lengths(size: int, axis_sizes: Sequence[int]) -> set[int]:
-    """Every piece length of a dim of ``size`` cut by ``torch.chunk`` over nested axes of ``axis_sizes``."""
-    lengths = {size}
-    for parts in axis_sizes:
-        lengths = {chunk_bounds(extent, parts, index)[1] for extent in lengths for index in range(parts)}
-    return lengths
 
 
 def _halo_fits(factor, count: int, input_shapes, output_shapes) -> bool:
