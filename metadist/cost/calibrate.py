@@ -15,7 +15,7 @@ the fixed seconds of one op come from a small captured step run by the runtime
 phases (:func:`collective_sync_s`).
 
 **Cache.** :func:`machine_cluster` measures this machine the first time a CPU run or benchmark
-plans on it (one progress line, ~30 s) and keeps the report in ``<cache dir>/calibration/``, keyed
+plans on it (one progress line; 15 s on 2 processes, 40 s on 4, on this project's 2-core machine) and keeps the report in ``<cache dir>/calibration/``, keyed
 by a fingerprint of the machine (processor model, core count, memory; no host name), the torch
 version, the backend and the process count; ``metadist calibrate`` measures again and replaces it.
 """
@@ -402,7 +402,7 @@ def machine_cluster(mesh: Mesh, cache_dir: Path, *, sizes: str = QUICK_SIZES, an
     report = load_calibration(path)
     if report is None:
         if announce is not None:
-            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, about 30 s, once; "
+            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, under a minute on a few processes, once; "
                      f"cached in {path} (`metadist calibrate --nproc {nproc}` measures again)")
         report = run_workers(nproc, Mesh((nproc,)), sizes)
         save_calibration(path, report, nproc)
