@@ -57,7 +57,7 @@ class Link:
     :attr:`kind_costs` moves its further bytes at this bandwidth, up to the kind's next entry. The time of a kind is
     the line through the calibration's measured sizes (:func:`metadist.cost.calibrate.fit_link`): gloo's all-gather
     of a 32 MiB shard between two CPU processes ran at half the bytes/s of a 2 MiB one, its all-reduce at 1.3 times.
-    Empty for the presets and calibrations before version 15."""
+    Empty for the presets and calibrations before version 16."""
     fsdp_unit_costs: tuple[tuple[str, float, float], ...] = ()
     """Measured (variant, fixed seconds, bytes/s) of what torch's FSDP2 adds to a step per unit over this link's
     ranks, ``zero2`` (parameters kept gathered from forward to backward) and ``zero3`` (gathered again for the

@@ -434,17 +434,19 @@ class CompiledStep:
                  if any(isinstance(placement, Replicate) for placement in sharding)
                  and all(isinstance(placement, (Shard, Replicate)) for placement in sharding)
                  and local.is_floating_point()]
-        prints = torch.zeros((len(items), 3), dtype=torch.float64)
-        for row, (_, local, _) in enumerate(items):
-            flat = local.detach().reshape(-1)  # summed in float64 as it is read, without a float64 copy
-            prints[row, 0] = flat.sum(dtype=torch.float64).item()
-            prints[row, 1] = torch.linalg.vector_norm(flat, 1, dtype=torch.float64).item()
-            prints[row, 2] = flat[::3].sum(dtype=torch.float64).item()
         if self.plan.mesh.size != torch.distributed.get_world_size():
             raise RuntimeSetupError(f"replica_disagreements compares the copies of a mesh of every process; this mesh "
                                     f"has {self.plan.mesh.size} of {torch.distributed.get_world_size()}")
-        gathered = [torch.zeros_like(prints, device=self.device) for _ in range(self.plan.mesh.size)]
-        torch.distributed.all_gather(gathered, prints.to(self.device))
+        rows = []
+        for _, local, _ in items:
+            flat = local.detach().reshape(-1)  # summed in float64 as it is read, without a float64 copy
+            rows.append(torch.stack([flat.sum(dtype=torch.float64),
+                                     torch.linalg.vector_norm(flat, 1, dtype=torch.float64),
+                                     flat[::3].sum(dtype=torch.float64)]))
+        # on the device where the pieces are: no host round trip per piece
+        prints = torch.stack(rows) if rows else torch.zeros((0, 3), dtype=torch.float64, device=self.device)
+        gathered = [torch.zeros_like(prints) for _ in range(self.plan.mesh.size)]
+        torch.distributed.all_gather(gathered, prints)
         by_rank = [tensor.cpu() for tensor in gathered]
         ranks = [int(rank) for rank in self.device_mesh.mesh.flatten().tolist()]
         gathered = [by_rank[rank] for rank in ranks]  # in mesh order
