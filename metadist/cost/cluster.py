@@ -42,7 +42,7 @@ class Link:
     """What the link is (``nvlink``, ``infiniband``, ``gloo-loopback``...)."""
     reduce_scatter_as_all_reduce: bool = False
     """The backend carries out a reduce-scatter as an all-reduce of the whole input, then keeps its piece (gloo):
-    it sends, and takes the time of, an all-reduce."""
+    it sends an all-reduce's bytes, and takes an all-reduce's time unless :attr:`kind_costs` measured its own."""
     sync_s: float = 0.0
     """What a collective costs beyond its own fixed cost when the step runs it between compute phases: the wait for
     the slower peer (processes sharing cores drift apart while they compute; measured by ``metadist calibrate``).

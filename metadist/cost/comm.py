@@ -30,13 +30,14 @@ each rank's ``h`` first and ``h`` last elements of the split dim (``2h`` slices)
 sends ``(n-1) 2h`` slices, priced as that all-gather.
 
 On a link whose backend carries out a reduce-scatter as an all-reduce of the whole input
-(gloo: :attr:`.cluster.Link.reduce_scatter_as_all_reduce`), a reduce-scatter is priced, and its
-bytes counted, as that all-reduce: ``2 (n-1) alpha + 2 (n-1)/n B / bw``.
+(gloo: :attr:`.cluster.Link.reduce_scatter_as_all_reduce`), a reduce-scatter's bytes are counted as that
+all-reduce's, and without a measured line of its own it is priced as that all-reduce:
+``2 (n-1) alpha + 2 (n-1)/n B / bw``.
 
 A calibrated link may carry measured per-kind costs (:attr:`.cluster.Link.kind_costs`: gloo's
-all-gather is several times slower per byte than its all-reduce); such a kind is priced
-``fixed + sent / bandwidth`` with its own figures, the bandwidth changing past the sizes where the calibration
-measured it change (:attr:`.cluster.Link.kind_rates_beyond`).
+all-gather is several times slower per byte than its all-reduce, and its reduce-scatter slower than the all-reduce
+it runs, for the copies around it); such a kind is priced ``fixed + sent / bandwidth`` with its own figures, the
+bandwidth changing past the sizes where the calibration measured it change (:attr:`.cluster.Link.kind_rates_beyond`).
 
 Every collective also pays the link's ``sync_s``: inside a step a collective waits for the slower
 peer (processes that share cores drift apart while they compute), which the isolated measurements
@@ -205,7 +206,8 @@ _TEMPLATES: dict[tuple, tuple[tuple[str, int, int, int], ...]] = {}
 def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, fixed_share: float = 1.0) -> tuple[float, float]:
     """(time, bytes sent) of a collective that sends ``ring_bytes`` per rank on the ring algorithm of ``kind``.
 
-    On a link that runs a reduce-scatter as an all-reduce (gloo) it sends, and takes the time of, that all-reduce.
+    On a link that runs a reduce-scatter as an all-reduce (gloo) it sends that all-reduce's bytes; it takes its own
+    measured time where the link has a line for the kind (:attr:`.cluster.Link.kind_costs`), else the all-reduce's.
     """
     n = axis_size
     if n <= 1:
@@ -213,9 +215,10 @@ def priced_collective(kind: str, ring_bytes: float, axis_size: int, link: Link, 
     wire = wire_kind(kind, link)
     sent = carried_bytes(kind, ring_bytes, link.reduce_scatter_as_all_reduce)
     share = 1.0 if kind == "all_to_all" else fixed_share
-    measured = link.kind_cost(wire)
+    priced = kind if link.kind_cost(kind) is not None else wire
+    measured = link.kind_cost(priced)
     if measured is not None:
-        return share * (measured[0] + link.sync_s) + link.kind_transfer_seconds(wire, sent), sent
+        return share * (measured[0] + link.sync_s) + link.kind_transfer_seconds(priced, sent), sent
     steps = 2 * (n - 1) if wire == "all_reduce" else n - 1
     return share * (link.call_overhead_s + link.sync_s + steps * link.latency_s) + sent / link.bandwidth_bytes_per_s, sent
 
