@@ -398,3 +398,33 @@ def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
     ran.clear()
     assert suite.main(["--models", "mlp", "--skip-scale", "--keep-calibration", "--docs", str(tmp_path)]) == 0
     assert len(ran) == 1 and "metadist.bench.harness" in ran[0]
+
+
+def _recorder_entry(record_id: int, name: str, group: str, sizes, dtypes, output_sizes=None) -> dict:
+    return {"record_id": record_id, "profiling_name": name, "process_group": [group, "desc"], "input_sizes": sizes,
+            "input_dtypes": dtypes, "output_sizes": output_sizes or sizes, "output_dtypes": dtypes}
+
+
+def test_recorded_calls_read_the_flight_recorders_window_and_refuse_what_they_cannot_read():
+    from metadist.bench.comm_count import UnreadableRecord, recorded_calls
+
+    entries = [_recorder_entry(4, "gloo:all_reduce", "0", [[3]], ["Float"]),
+               _recorder_entry(5, "nccl:_allgather_base", "1", [[2, 8]], ["BFloat16"], output_sizes=[[4, 8]]),
+               _recorder_entry(6, "nccl:_reduce_scatter_base", "0", [[16]], ["Double"]),
+               _recorder_entry(7, "gloo:send", "1", [[10]], ["Long"]),
+               _recorder_entry(8, "gloo:recv", "1", [[10]], ["Long"]),
+               _recorder_entry(9, "gloo:barrier", "0", [[1]], ["Float"])]
+    sizes = {"0": 4, "1": 2}
+    calls = recorded_calls(entries, 4, 9, sizes)
+    assert [(call.kind, call.payload_bytes, call.group_size, call.wire_bytes) for call in calls] == [
+        ("all_gather", 64, 2, 32.0), ("reduce_scatter", 128, 4, 96.0), ("send", 80, 2, 80.0), ("recv", 80, 2, 0.0),
+        ("barrier", 4, 4, 0.0)]
+    assert recorded_calls(entries, 3, 4, sizes)[0].wire_bytes == 2 * 3 / 4 * 12
+    with pytest.raises(UnreadableRecord, match="kept 6 of the 7"):  # the ring overwrote the oldest entry
+        recorded_calls(entries, 2, 9, sizes)
+    with pytest.raises(UnreadableRecord, match="process group '1'"):
+        recorded_calls(entries, 4, 5, {"0": 4})
+    with pytest.raises(UnreadableRecord, match="dtype 'Float4'"):
+        recorded_calls([_recorder_entry(1, "gloo:all_reduce", "0", [[3]], ["Float4"])], 0, 1, sizes)
+    with pytest.raises(UnreadableRecord, match="'nccl:coalesced'"):
+        recorded_calls([_recorder_entry(1, "nccl:coalesced", "0", [], [])], 0, 1, sizes)

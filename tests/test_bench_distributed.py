@@ -1,4 +1,5 @@
-"""Two gloo ranks: the byte counter against a known all-reduce, and DDP against FSDP2 on the mlp."""
+"""gloo ranks: the byte counter against known collectives (2 ranks; 4 on a 2x2 mesh for the flight recorder), and
+DDP against FSDP2 on the mlp."""
 
 from __future__ import annotations
 
@@ -36,8 +37,46 @@ COUNTER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _torchrun(args: list[str], timeout_s: float = 120) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+RECORDER_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from metadist.bench.comm_count import (count_collectives, enable_flight_recorder, events_from_profile,
+                                           flight_recorder_entries, flight_recorder_mark, process_group_sizes,
+                                           recorded_calls, window)
+
+    assert enable_flight_recorder()
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2))
+    rows, columns = mesh.get_group(0), mesh.get_group(1)
+    dist.all_reduce(torch.ones(3))  # before the window: not counted
+    before = flight_recorder_mark()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function("bench:step1"):
+            summed = torch.ones(1000)
+            dist.all_reduce(summed, group=columns)                                        # 4,000 bytes over 2
+            dist.all_reduce(torch.ones(500, dtype=torch.float64))                         # 4,000 bytes over 4
+            dist.reduce_scatter_tensor(torch.empty(250), torch.ones(500), group=rows)     # 2,000 bytes over 2
+            dist.all_gather_into_tensor(torch.empty(400), torch.ones(100))                # 1,600 gathered over 4
+            dist.all_to_all_single(torch.empty(64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16),
+                                   group=rows)                                            # 128 bytes over 2
+    after = flight_recorder_mark()
+    events = events_from_profile(prof)
+    profiled = count_collectives(events, *window(events, "bench:step1"), default_group_size=0, backend="gloo")
+    calls = recorded_calls(flight_recorder_entries(), before, after, process_group_sizes())
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump({"calls": [[call.kind, call.payload_bytes, call.group_size, call.wire_bytes] for call in calls],
+                       "profiled_wire": profiled.wire_bytes, "sum": float(summed[0])}, out)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def _torchrun(args: list[str], timeout_s: float = 120, nproc: int = 2) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     assert completed.returncode == 0, completed.stderr[-4000:]
 
@@ -51,6 +90,22 @@ def test_counter_matches_a_known_all_reduce(tmp_path):
     assert result["sum"] == 2.0  # the all-reduce really ran over 2 ranks
     assert result["bytes"] == {"all_reduce": 1000 * 7 * 4, "all_gather": 2 * 300 * 4}
     assert result["wire"] == pytest.approx(1000 * 7 * 4 * 2 * (2 - 1) / 2 + 2 * 300 * 4 / 2)
+
+
+def test_flight_recorder_counts_wire_bytes_on_the_sub_groups_of_a_2x2_mesh(tmp_path):
+    """On a 2x2 mesh the profiler cannot tell an all-reduce on a row (2 ranks) from one on every rank (4): it gives no
+    wire bytes. torch's flight recorder names each collective's group: every call of the window, with its group's
+    size, and gloo's reduce-scatter as the all-reduce it runs."""
+    script = tmp_path / "recorder.py"
+    script.write_text(RECORDER_SCRIPT)
+    out = tmp_path / "recorder.json"
+    _torchrun([str(script), str(out)], nproc=4)
+    result = json.loads(out.read_text())
+    assert result["sum"] == 2.0  # the column's all-reduce ran over 2 ranks
+    assert result["profiled_wire"] is None
+    assert result["calls"] == [
+        ["all_reduce", 4000, 2, 4000.0], ["all_reduce", 4000, 4, 6000.0], ["all_reduce", 2000, 2, 2000.0],
+        ["all_gather", 1600, 4, 1200.0], ["all_to_all", 128, 2, 64.0]]
 
 
 def test_ddp_and_fsdp2_agree_on_the_mlp(tmp_path):

@@ -25,13 +25,24 @@ gloo carries out a reduce-scatter as an all-reduce of the whole input: the count
 collective the caller asked for, and on gloo (``backend="gloo"``) counts its wire bytes as that
 all-reduce's, ``2 (g-1)/g`` payloads, which is what the rank sends (and what the cost model prices,
 :attr:`metadist.cost.cluster.Link.reduce_scatter_as_all_reduce`).
+
+**Group sizes.** The profiler does not record which process group a collective ran on. A gather's or a
+scatter's shapes tell its group size; an all-reduce's, an all-to-all's or a broadcast's do not, so on a mesh of
+more than one axis (collectives on sub-groups of different sizes) the trace alone cannot give wire bytes.
+torch's flight recorder can: enabled before the process groups are made (:func:`enable_flight_recorder`), it logs
+every collective a process group carries out, with the group's name, the tensors' sizes and dtypes
+(:func:`recorded_calls`, between two :func:`flight_recorder_mark` calls). Its kinds are the ones the backend
+carries out (gloo logs a reduce-scatter as the all-reduce it runs), so its wire bytes follow the same ring
+convention.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..cost.comm import backend_reduce_scatters_as_all_reduce, carried_kind
 
@@ -262,3 +273,112 @@ def _numel(shape: Iterable[int]) -> int:
     for size in shape:
         numel *= size
     return numel
+
+
+# ---------------------------------------------------------------- the flight recorder: collectives with their groups
+
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""The environment variable torch reads, once, when a process group first records: entries kept (0: off)."""
+
+FLIGHT_RECORDER_ENTRIES = 1 << 16
+"""Entries the harness keeps: far more than one step issues (GPT-2 small's plan: ~115 collectives a step)."""
+
+_RECORDED_KINDS = (("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("reduce_scatter", "reduce_scatter"),
+                   ("all_gather", "all_gather"), ("allgather", "all_gather"), ("all_to_all", "all_to_all"),
+                   ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("gather", "gather"), ("scatter", "scatter"),
+                   ("reduce", "reduce"), ("send", "send"), ("recv", "recv"), ("barrier", "barrier"))
+"""Substrings of a flight recorder entry's ``profiling_name`` (``gloo:all_reduce``, ``nccl:_allgather_base``...) and the
+kind each names, the first that matches."""
+
+_RECORDED_ELEMENT_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
+                           "Char": 1, "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16,
+                           "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+
+
+def enable_flight_recorder() -> bool:
+    """Ask torch to keep its flight recorder (:data:`FLIGHT_RECORDER_ENTRIES` entries) unless the environment sets its
+    size already; call before the first process group is made. True when it will record."""
+    os.environ.setdefault(FLIGHT_RECORDER_ENV, str(FLIGHT_RECORDER_ENTRIES))
+    return int(os.environ[FLIGHT_RECORDER_ENV] or 0) > 0
+
+
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    """Every entry torch's flight recorder holds (finished collectives included), oldest first."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return sorted(json.loads(_dump_fr_trace_json(True, False)).get("entries", []), key=lambda entry: entry["record_id"])
+
+
+def flight_recorder_mark() -> int:
+    """The record id of the flight recorder's newest entry (-1 when it holds none): the collectives recorded after a
+    mark are those with a larger id."""
+    entries = flight_recorder_entries()
+    return entries[-1]["record_id"] if entries else -1
+
+
+def process_group_sizes() -> dict[str, int]:
+    """Size of each process group this rank belongs to, by the name the flight recorder logs."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return {str(name): group.size() for group, name in c10d._world.pg_names.items()}
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    """One collective as the backend carried it out (a flight recorder entry)."""
+
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send... (gloo's reduce-scatter: all_reduce)."""
+    payload_bytes: int
+    """Per-rank payload in the convention of the module docstring."""
+    group_size: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends with a ring algorithm (a send its payload; a receive and a barrier nothing)."""
+        n = self.group_size
+        if self.kind in ("recv", "barrier") or n <= 1:
+            return 0.0
+        if self.kind == "send":
+            return float(self.payload_bytes)
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) / n * self.payload_bytes
+        return (n - 1) / n * self.payload_bytes
+
+
+class UnreadableRecord(ValueError):
+    """A flight recorder entry that the counter cannot read (a kind, a dtype or a group it does not know)."""
+
+
+def recorded_calls(entries: Sequence[Mapping[str, Any]], after: int, upto: int,
+                   group_sizes: Mapping[str, int]) -> tuple[RecordedCall, ...]:
+    """The collectives the flight recorder logged with record ids in ``(after, upto]``.
+
+    Raises :class:`UnreadableRecord` when an entry of the window is missing (the recorder's ring overwrote it), or
+    names a collective, a dtype or a process group (``group_sizes``: :func:`process_group_sizes`) the counter does
+    not know."""
+    window_entries = [entry for entry in entries if after < entry["record_id"] <= upto]
+    if len(window_entries) != upto - after:
+        raise UnreadableRecord(f"the flight recorder kept {len(window_entries)} of the {upto - after} collectives "
+                               f"recorded in the window (raise {FLIGHT_RECORDER_ENV})")
+    return tuple(_recorded_call(entry, group_sizes) for entry in window_entries)
+
+
+def _recorded_call(entry: Mapping[str, Any], group_sizes: Mapping[str, int]) -> RecordedCall:
+    name = str(entry.get("profiling_name", ""))
+    operation = name.split(":", 1)[-1]
+    kind = next((kind for text, kind in _RECORDED_KINDS if text in operation), None)
+    if kind is None:
+        raise UnreadableRecord(f"flight recorder entry {name!r}: not a collective the counter knows")
+    group = str(entry["process_group"][0])
+    if group not in group_sizes:
+        raise UnreadableRecord(f"flight recorder entry {name!r} ran on process group {group!r}, which this rank does "
+                               f"not know (groups: {sorted(group_sizes)})")
+    sizes, dtypes = ((entry.get("output_sizes"), entry.get("output_dtypes")) if kind == "all_gather"
+                     else (entry.get("input_sizes"), entry.get("input_dtypes")))
+    payload = 0
+    for shape, dtype in zip(sizes or (), dtypes or ()):
+        if dtype not in _RECORDED_ELEMENT_BYTES:
+            raise UnreadableRecord(f"flight recorder entry {name!r}: dtype {dtype!r} has no known element size")
+        payload += _numel(shape) * _RECORDED_ELEMENT_BYTES[dtype]
+    return RecordedCall(kind=kind, payload_bytes=payload, group_size=group_sizes[group])

@@ -52,7 +52,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..progress import enter, phase
 from ..workload import Workload
 from .baselines import BASELINE_METHODS, MethodUnavailable, Prepared, RankContext, build_baseline, disable_dropout
-from .comm_count import count_collectives, events_from_profile, window
+from .comm_count import (UnreadableRecord, count_collectives, enable_flight_recorder, events_from_profile,
+                         flight_recorder_entries, flight_recorder_mark, process_group_sizes, recorded_calls, window)
 from .memory_track import MemoryPeak, cpu_memory_peak
 from .metadist_method import METADIST_METHODS, build_metadist, predict_baselines
 from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, TIMINGS, BenchRun, MethodResult
@@ -173,6 +174,8 @@ def setup(config: HarnessConfig) -> RankContext:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    global _RECORDING
+    _RECORDING = enable_flight_recorder()  # before any process group: the wire bytes of sub-group collectives
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
     world = dist.get_world_size()
     mesh_shape = config.mesh_shape or (world,)
@@ -209,9 +212,14 @@ def _sync(ctx: RankContext) -> None:
         torch.cuda.synchronize()
 
 
-def _profiled_run(method: str, workload: Workload, ctx: RankContext, prepared: Prepared | None) -> tuple[Prepared, Any, MemoryPeak | None, torch.Tensor]:
-    """Build (unless prepared) and run the profiled steps; returns the profiler and the CUDA memory peak."""
-    cuda_peak = None
+_RECORDING = False
+"""Whether torch's flight recorder logs this process's collectives (:func:`setup` enables it)."""
+
+
+def _profiled_run(method: str, workload: Workload, ctx: RankContext, prepared: Prepared | None) -> tuple[Prepared, Any, MemoryPeak | None, torch.Tensor, tuple[int, int] | None]:
+    """Build (unless prepared) and run the profiled steps; returns the profiler, the CUDA memory peak, the loss and
+    the flight recorder's marks around the last step (None when it does not record)."""
+    cuda_peak, marks = None, None
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=ctx.device.type == "cpu") as prof:
         baseline = torch.cuda.memory_allocated() if ctx.device.type == "cuda" else 0
         with record_function("bench:build"):
@@ -223,13 +231,32 @@ def _profiled_run(method: str, workload: Workload, ctx: RankContext, prepared: P
             if last and ctx.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 state = torch.cuda.memory_allocated() - baseline
+            before = flight_recorder_mark() if last and _RECORDING else None
             with record_function(f"bench:step{index}"):
                 loss = prepared.step()
                 _sync(ctx)
+            if before is not None:
+                marks = (before, flight_recorder_mark())
         if ctx.device.type == "cuda":
             cuda_peak = MemoryPeak(state_bytes=state, peak_bytes=torch.cuda.max_memory_allocated() - baseline,
                                    source="cuda-allocator")
-    return prepared, prof, cuda_peak, loss
+    return prepared, prof, cuda_peak, loss, marks
+
+
+def _recorded_wire_bytes(method: str, marks: tuple[int, int] | None, profiled: float | None) -> float | None:
+    """The wire bytes of the collectives torch's flight recorder logged between ``marks`` (each with its process
+    group's size); None when it did not record or an entry cannot be read (said in the log). ``profiled``: the
+    profiler's count of the same step where it knows every group's size, compared."""
+    if marks is None:
+        return None
+    try:
+        recorded = sum(call.wire_bytes for call in recorded_calls(flight_recorder_entries(), *marks, process_group_sizes()))
+    except UnreadableRecord as err:
+        log.warning("%s: the flight recorder's collectives were not counted: %s", method, err)
+        return None
+    if profiled is not None and abs(recorded - profiled) > 1e-6 * max(profiled, 1.0):
+        log.warning("%s: the flight recorder counts %.0f wire bytes a step, the profiler %.0f", method, recorded, profiled)
+    return recorded
 
 
 @dataclass
@@ -244,6 +271,8 @@ class _Built:
     predicted: dict
     times: list[float]
     loss: torch.Tensor | None = None
+    recorded_wire: float | None = None
+    """The last profiled step's wire bytes by torch's flight recorder (:func:`_recorded_wire_bytes`)."""
 
 
 def _timed_step(built: _Built, ctx: RankContext) -> None:
@@ -261,7 +290,7 @@ def build_method(method: str, workload: Workload, ctx: RankContext) -> _Built | 
     try:
         if method in METADIST_METHODS:
             prepared, compile_s, predicted = build_metadist(method, workload, ctx)
-        prepared, prof, cuda_peak, loss = _profiled_run(method, workload, ctx, prepared)
+        prepared, prof, cuda_peak, loss, marks = _profiled_run(method, workload, ctx, prepared)
     except MethodUnavailable as err:
         log.warning("%s: not available: %s", method, err)
         dist.barrier()
@@ -276,7 +305,8 @@ def build_method(method: str, workload: Workload, ctx: RankContext) -> _Built | 
     comm = count_collectives(events, start, end, default_group_size=ctx.world_size if one_d else 0, backend=dist.get_backend())
     memory = cuda_peak or cpu_memory_peak(events, start, end)
     del prof, events
-    return _Built(method, prepared, comm, memory, compile_s, predicted, [], loss)
+    return _Built(method, prepared, comm, memory, compile_s, predicted, [], loss,
+                  _recorded_wire_bytes(method, marks, comm.wire_bytes))
 
 
 def finish_method(built: _Built, ctx: RankContext) -> MethodResult:
@@ -285,7 +315,7 @@ def finish_method(built: _Built, ctx: RankContext) -> MethodResult:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     total = built.loss.detach().to(torch.float64).reshape(())
     dist.all_reduce(total)
-    local = {"comm": built.comm, "memory": built.memory}
+    local = {"comm": built.comm, "memory": built.memory, "recorded_wire": built.recorded_wire}
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, local)
     result = _result(built.method, built.prepared, slowest.tolist(), float(total), gathered, built.compile_s,
@@ -353,7 +383,8 @@ def _failed(method: str, err: BaseException) -> MethodResult:
 def _result(method: str, prepared: Prepared, times: list[float], loss: float, gathered: list[dict],
             compile_s: dict, predicted: dict) -> MethodResult:
     busiest = max(gathered, key=lambda item: item["comm"].total_bytes)["comm"]
-    wires = [item["comm"].wire_bytes for item in gathered]
+    # the profiler's count where it knows every group's size (one-axis meshes), else the flight recorder's
+    wires = [item["recorded_wire"] if item["comm"].wire_bytes is None else item["comm"].wire_bytes for item in gathered]
     return MethodResult(
         method=method, status=STATUS_OK, mesh_shape=tuple(prepared.mesh_shape), step_times_s=tuple(times),
         comm_payload_bytes=busiest.total_bytes,

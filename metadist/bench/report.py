@@ -504,7 +504,9 @@ def _method_notes(run: BenchRun) -> str:
         "moved MetaDist/DDP on gpt-85m by 10-20 % between runs of the same code. Each section says which it used.",
         "- *comm payload/rank*: bytes of every collective this rank issued in one step, read from the c10d ops of a "
         "`torch.profiler` trace (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input); "
-        "*wire/rank*: what a ring algorithm sends for them. Gloo carries out reduce-scatter as an all-reduce.",
+        "*wire/rank*: what a ring algorithm sends for them over each one's process group (the group's size from the "
+        "trace's shapes on a one-axis mesh, else from torch's flight recorder, which logs each collective's group). "
+        "Gloo carries out reduce-scatter as an all-reduce.",
         "- *state/peak mem/rank*: on CPU, the running sum of the c10 allocator's allocation events (profiler, "
         "`profile_memory=True`) from the method's build on: held at the start of the measured step, and at its peak; "
         "on GPU, `torch.cuda.max_memory_allocated`. Every method, MetaDist included, is counted the same way with "
