@@ -114,18 +114,25 @@ at least this long: the first plan of a bfloat16 step on a machine (:mod:`metadi
 
 
 def _with_step_matmuls(cluster: Any, graph: Any, ctx: RankContext) -> Any:
-    """``cluster`` pricing the step's bfloat16 and float16 matmuls at their times on this machine
-    (:mod:`metadist.cost.matmul_times`): timed by rank 0 while the others wait, then read from the cache by every rank.
-    A cluster other than this machine's calibrated one is returned as it is."""
+    """``cluster`` pricing the step's bfloat16 and float16 matmuls and its fused attention at their times on this
+    machine (:mod:`metadist.cost.matmul_times`, :mod:`metadist.cost.attention_times`): timed by rank 0 while the
+    others wait, then read from the cache by every rank. A cluster other than this machine's calibrated one is
+    returned as it is."""
     from ..config import settings_from_env
+    from ..cost.attention_times import with_measured_attention
     from ..cost.matmul_times import with_measured_matmuls
 
     cache_dir = settings_from_env().cache_dir
+
+    def measured(measure: bool) -> Any:
+        priced = with_measured_matmuls(cluster, graph, cache_dir, measure=measure)
+        return with_measured_attention(priced, graph, cache_dir, measure=measure)
+
     if ctx.world_size == 1:
-        return with_measured_matmuls(cluster, graph, cache_dir)
-    timed = with_measured_matmuls(cluster, graph, cache_dir) if ctx.rank == 0 else None
+        return measured(True)
+    timed = measured(True) if ctx.rank == 0 else None
     dist.barrier()
-    return timed if timed is not None else with_measured_matmuls(cluster, graph, cache_dir, measure=False)
+    return timed if timed is not None else measured(False)
 
 
 def machine_cpu_cluster(mesh: Any, ctx: RankContext) -> Any:

@@ -23,6 +23,10 @@ CLUSTER_FORMAT_VERSION = 1
 MatmulKey = tuple
 """A local matmul's shape as :attr:`Device.matmul_seconds` keys it: ``(dtype, layout, batch, m, k, n)``."""
 
+AttentionKey = tuple
+"""A local fused attention call as :attr:`Device.attention_seconds` keys it: ``(direction, dtype, query shape, key shape,
+value shape, mask shape or (), mask dtype or "", causal)`` (:func:`metadist.cost.attention_times.local_key`)."""
+
 
 class ClusterError(ValueError):
     """A cluster description is malformed or does not fit the mesh."""
@@ -105,6 +109,13 @@ class Link:
             if name == variant:
                 return fixed, rate
         return None
+
+
+def _attention_key(key: Any) -> AttentionKey:
+    """An attention key with its shapes as tuples (a JSON document gives lists)."""
+    direction, dtype, query, key_shape, value, mask, mask_dtype, causal = key
+    return (str(direction), str(dtype), tuple(int(size) for size in query), tuple(int(size) for size in key_shape),
+            tuple(int(size) for size in value), tuple(int(size) for size in mask), str(mask_dtype), bool(causal))
 
 
 def _dtype_pairs(pairs: Mapping[str, float] | Any) -> tuple[tuple[str, float], ...]:
@@ -195,6 +206,12 @@ class Device:
     time, beyond ``op_overhead_s``, instead of on the curves. Filled for a step's bfloat16 and float16 matmuls on this
     machine's calibrated CPU cluster (:func:`~.matmul_times.with_measured_matmuls`), the sustained slowdown applied;
     empty for the presets."""
+    attention_seconds: tuple[tuple[AttentionKey, float], ...] = ()
+    """Measured seconds of fused attention calls (``scaled_dot_product_attention``'s CPU kernel, forward and backward)
+    by local shape, as (key, seconds) pairs (:data:`AttentionKey`): a node whose local call is listed is priced at its
+    time, beyond ``op_overhead_s``, instead of by its roofline. Filled for a step's attention on this machine's
+    calibrated CPU cluster (:func:`~.attention_times.with_measured_attention`), the sustained slowdown applied; empty
+    for the presets."""
     sustained_slowdown: float = 1.0
     """How much slower the processes computed over a long stretch than in the calibration's short timed calls, all at
     once (``metadist calibrate`` on CPU; 1 elsewhere). Already applied: the rates above are divided by it and the
@@ -217,6 +234,9 @@ class Device:
         matmuls = tuple((tuple(key), float(seconds)) for key, seconds in self.matmul_seconds)
         object.__setattr__(self, "matmul_seconds", matmuls)
         object.__setattr__(self, "_matmul_seconds", dict(matmuls))
+        attention = tuple((_attention_key(key), float(seconds)) for key, seconds in self.attention_seconds)
+        object.__setattr__(self, "attention_seconds", attention)
+        object.__setattr__(self, "_attention_seconds", dict(attention))
         elements = _dtype_pairs(self.op_element_seconds)
         object.__setattr__(self, "op_element_seconds", elements)
         object.__setattr__(self, "_element_seconds", dict(elements))
@@ -225,7 +245,8 @@ class Device:
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
                 or not self.dtensor_op_overhead_s >= 0 \
-                or not all(seconds >= 0 for _, seconds in (*elements, *matmuls)) or not self.sustained_slowdown >= 1:
+                or not all(seconds >= 0 for _, seconds in (*elements, *matmuls, *attention)) \
+                or not self.sustained_slowdown >= 1:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "
                                f"slowdown >= 1), got {self}")
 
@@ -270,6 +291,11 @@ class Device:
     def measured_matmul_s(self, key: MatmulKey) -> float | None:
         """The measured seconds of the local matmul ``key`` (:attr:`matmul_seconds`); None where it was not timed."""
         return self._matmul_seconds.get(key)  # type: ignore[attr-defined]
+
+    def measured_attention_s(self, key: AttentionKey) -> float | None:
+        """The measured seconds of the local fused attention call ``key`` (:attr:`attention_seconds`); None where it
+        was not timed."""
+        return self._attention_seconds.get(key)  # type: ignore[attr-defined]
 
     def matmul_stream_s(self, dtype: str, operand_bytes: float, layout: str = "") -> float:
         """The least seconds a matmul in ``dtype`` whose larger operand holds ``operand_bytes`` (locally) takes: that

@@ -33,10 +33,11 @@ pieces' (:func:`~.sharding.local_nbytes`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..ir import Graph, Mesh, Node, Shard, TensorSpec
 from ..ir.plan import NodeStrategy
+from .attention_times import ATTENTION_OPS, attention_call
 from .cluster import Device
 from .sharding import largest_local_shape, local_nbytes
 
@@ -61,6 +62,10 @@ class Work:
     op: str = ""
     """The op's name (:func:`op_name`): a device that measured this op's seconds per output element
     (:meth:`~.cluster.Device.element_seconds`) prices the node at least at that rate."""
+    attention: Any = None
+    """A fused attention call (:class:`~.attention_times.AttentionCall`: where its query, key, value and mask are among
+    the node's inputs): a device that timed its local shapes (:meth:`~.cluster.Device.measured_attention_s`) prices
+    the node at that time."""
     layout: str = ""
     """A matmul's operand layout (:func:`matmul_layout`): ``"nt"`` (its second operand a transposed view, as a
     linear layer's forward reads its weight), ``"tn"`` (its first, as a weight's gradient reads the activations) or
@@ -96,6 +101,10 @@ def _attention_flops(ins: Shapes, outs: Shapes) -> float:  # q [B, H, L, D], k [
     return 4.0 * _prod(query[:-1]) * key[-2] * query[-1]
 
 
+def _attention_backward_flops(ins: Shapes, outs: Shapes) -> float:  # grad_out, q [B, H, L, D], k [B, H, S, D]
+    return 2.5 * _attention_flops(ins[1:], outs)  # recomputes the scores, then three matmuls of their size
+
+
 #: The operands (input positions) of matmul ops, by op name.
 _OPERANDS: dict[str, tuple[int, int]] = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
 
@@ -113,6 +122,7 @@ _FLOPS: dict[str, Callable[[Shapes, Shapes], float]] = {
     "_scaled_dot_product_efficient_attention": _attention_flops,
     "_scaled_dot_product_flash_attention": _attention_flops,
     "_scaled_dot_product_flash_attention_for_cpu": _attention_flops,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _attention_backward_flops,
 }
 
 
@@ -137,7 +147,7 @@ def node_work(graph: Graph, node: Node) -> Work:
         try:
             flops = formula(ins, outs)
             if not (operands and operands[1] < len(ins)):
-                return Work(flops=flops, op=name)
+                return Work(flops=flops, op=name, attention=attention_call(node) if name in ATTENTION_OPS else None)
             return Work(flops=flops, operands=operands, op=name,
                         layout=matmul_layout(graph, node.input_names[operands[0]], node.input_names[operands[1]]))
         except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
@@ -278,6 +288,10 @@ def compute_seconds(
     if work.is_view:
         return device.op_overhead_s
     dtype = compute_dtype(input_specs, output_specs)
+    if work.attention is not None and device.attention_seconds:
+        measured = device.measured_attention_s(local_attention_key(work.attention, input_specs, strategy, mesh))
+        if measured is not None:  # timed on this machine in its local shapes (:mod:`.attention_times`)
+            return device.op_overhead_s + measured
     if work.operands is not None and device.matmul_seconds:
         measured = device.measured_matmul_s(local_matmul_key(work, input_specs, strategy, mesh, dtype))
         if measured is not None:  # timed on this machine in its local shape (:mod:`.matmul_times`)
@@ -316,6 +330,19 @@ def local_matmul_key(work: Work, input_specs: Sequence[TensorSpec], strategy: No
         return None
     batch = _prod(first[:-2]) if work.op in _BATCHED else 0
     return (dtype, work.layout, batch, first[-2], first[-1], second[-1])
+
+
+def local_attention_key(call: Any, input_specs: Sequence[TensorSpec], strategy: NodeStrategy, mesh: Mesh) -> tuple:
+    """The key of a fused attention node's local call under ``strategy`` in
+    :attr:`~.cluster.Device.attention_seconds`: the largest pieces of its query, key, value and mask."""
+    from .attention_times import local_key
+
+    def local(position: int) -> tuple[int, ...]:
+        return largest_local_shape(input_specs[position], strategy.inputs[position], mesh)
+
+    mask = local(call.mask) if call.mask is not None else None
+    return local_key(call.direction, input_specs[call.query].dtype, local(call.query), local(call.key),
+                     local(call.value), mask, input_specs[call.mask].dtype if call.mask is not None else "", call.causal)
 
 
 def _rate_flops(work: Work, flops: float, output_specs: Sequence[TensorSpec | None], strategy: NodeStrategy,

@@ -1,0 +1,290 @@
+"""Fused attention of a step's own local shapes, timed on this machine (issue #16, part 2).
+
+torch runs ``scaled_dot_product_attention`` on a CPU as one fused kernel (``_scaled_dot_product_flash_attention_for_cpu``
+and its backward), the default attention of HuggingFace's models. Its rate depends on the shape and the dtype far more
+than a FLOP count says: on this project's 2-core machine, one thread, the forward of ``[8, 4, 64, 16]`` float32 queries
+ran at 39 GFLOP/s and of ``[8, 4, 256, 64]`` at 118; the bfloat16 backward of the first at 5 (counting 2.5x the
+forward's FLOPs), 20x slower than its forward. The cost model priced gpt2-tiny's bfloat16 step (batch 16 x 64, 2
+processes) at 19 ms where it ran in 30-33: its two attention backwards took 10.5 ms a step, priced at 0.1.
+
+So a step planned on this machine's calibrated cluster times each fused attention it may run, once per local shape
+(:func:`attention_keys`: every way of giving each mesh axis to the batch, the heads, the query length, the key length
+or the value width, or to none, as the largest piece's shapes), forward and backward, one thread, one process at a
+time; the cost model prices such a node at its measured seconds (:meth:`~.cluster.Device.measured_attention_s`) times
+the calibration's sustained slowdown. The times are cached per machine and torch version beside the calibration
+(:func:`table_path`), as the narrow matmuls' are (:mod:`.matmul_times`), and only missing shapes are timed. A shape
+whose roofline price exceeds :data:`~.matmul_times.LONGEST_TIMED_S`, or any past
+:data:`~.matmul_times.TIMING_BUDGET_S` of timing in one call, keeps its roofline price (the log says how many).
+
+A node with a dropout probability is not timed (the fused kernel's rate with dropout was not measured): it keeps its
+roofline price.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..ir import Graph, Literal, Mesh, Node, ValueRef
+from .cluster import AttentionKey, Cluster, ClusterError
+
+__all__ = ["ATTENTION_OPS", "AttentionCall", "attention_call", "attention_keys", "table_path", "load_table",
+           "with_measured_attention", "time_attention"]
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "forward",
+                 "_scaled_dot_product_flash_attention_for_cpu_backward": "backward"}
+"""The fused attention ops timed by shape (:func:`~.compute.op_name`), and which way each runs."""
+
+_POSITIONS = {"forward": (0, 1, 2), "backward": (1, 2, 3)}
+"""The positions of the query, key and value among each op's arguments."""
+
+_FLAGS = {"forward": (3, 4), "backward": (6, 7)}
+"""The positions of ``dropout_p`` and ``is_causal`` among each op's arguments."""
+
+TABLE_FORMAT = "metadist-attention-times"
+TABLE_VERSION = 1
+
+ROLES = (None, "batch", "heads", "length", "kv_length", "value_width")
+"""What a mesh axis may cut in an attention's local work (:func:`attention_keys`)."""
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """How one fused attention node reads its operands: the positions of its query, key, value and mask among the
+    node's inputs (:attr:`metadist.ir.Node.input_names`; the mask None when it has none), and whether it is causal."""
+
+    direction: str
+    """``forward`` or ``backward``."""
+    query: int
+    key: int
+    value: int
+    mask: int | None
+    causal: bool
+
+
+def attention_call(node: Node) -> AttentionCall | None:
+    """The fused attention call of ``node``; None when it is not one (:data:`ATTENTION_OPS`), its arguments are not as
+    the op's schema lays them out, or it draws dropout."""
+    from .compute import op_name
+
+    direction = ATTENTION_OPS.get(op_name(node.op.target))
+    if direction is None:
+        return None
+    args, kwargs = node.args, dict(node.kwargs)
+    positions = _POSITIONS[direction]
+    if len(args) <= positions[-1] or not all(isinstance(args[i], ValueRef) for i in positions):
+        return None
+    dropout_at, causal_at = _FLAGS[direction]
+    dropout = _plain(args[dropout_at] if len(args) > dropout_at else kwargs.get("dropout_p", 0.0))
+    causal = _plain(args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False))
+    if not isinstance(dropout, (int, float)) or dropout != 0 or not isinstance(causal, bool):
+        return None
+    refs = [_ref_position(node, args, i) for i in positions]
+    mask = kwargs.get("attn_mask")
+    mask_at = None
+    if isinstance(mask, ValueRef):  # the node's inputs: every argument's refs, then the keyword arguments' in order
+        before = [name for arg in args for name in _refs_of(arg)]
+        for name, arg in node.kwargs:
+            if name == "attn_mask":
+                break
+            before.extend(_refs_of(arg))
+        mask_at = len(before)
+    elif mask is not None:
+        return None
+    return AttentionCall(direction, *refs, mask=mask_at, causal=causal)
+
+
+def _plain(arg: Any) -> Any:
+    return arg.value if isinstance(arg, Literal) else arg
+
+
+def _refs_of(arg: Any) -> list[str]:
+    if isinstance(arg, ValueRef):
+        return [arg.name]
+    if isinstance(arg, tuple):
+        return [name for item in arg for name in _refs_of(item)]
+    return []
+
+
+def _ref_position(node: Node, args: tuple, index: int) -> int:
+    """The position among the node's inputs of the tensor argument at ``index``."""
+    return len([name for arg in args[:index] for name in _refs_of(arg)])
+
+
+def local_key(direction: str, dtype: str, query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...],
+              mask: tuple[int, ...] | None, mask_dtype: str, causal: bool) -> AttentionKey:
+    """The key of one local attention call in :attr:`~.cluster.Device.attention_seconds`."""
+    return (direction, dtype, tuple(query), tuple(key), tuple(value), tuple(mask) if mask is not None else (),
+            mask_dtype if mask is not None else "", bool(causal))
+
+
+def attention_keys(graph: Graph, mesh: Mesh) -> dict[AttentionKey, float]:
+    """Each local fused attention the step may run on ``mesh``, with its forward FLOPs (the roofline's measure).
+
+    For every way of giving each mesh axis one of :data:`ROLES` (the batch, the heads, the query length, the key
+    length, the value width) or none, the largest piece's shapes: a query ``[B, H, L, D]`` cut on its batch, heads
+    and length; a key ``[B, Hk, S, D]`` on its batch, heads and length; a value ``[B, Hk, S, Dv]`` on those and its
+    width; a mask ``[..., L, S]`` on whichever of those dims it spans (a dim of 1 broadcasts, uncut).
+    """
+    keys: dict[AttentionKey, float] = {}
+    for node, call in attention_nodes(graph):
+        specs = [graph.value(name).spec for name in node.input_names]
+        query, key, value = (specs[i] for i in (call.query, call.key, call.value))
+        mask = specs[call.mask] if call.mask is not None else None
+        if query.rank != 4 or key.rank != 4 or value.rank != 4 or (mask is not None and not 2 <= mask.rank <= 4):
+            continue
+        for assignment in itertools.product(ROLES, repeat=mesh.ndim):
+            pieces = {role: 1 for role in ROLES[1:]}
+            for axis, role in enumerate(assignment):
+                if role is not None:
+                    pieces[role] *= mesh.shape[axis]
+            cut = {role: lambda size, count=count: -(-size // count) for role, count in pieces.items()}
+            local_query = (cut["batch"](query.shape[0]), cut["heads"](query.shape[1]), cut["length"](query.shape[2]),
+                           query.shape[3])
+            local_key_shape = (cut["batch"](key.shape[0]), cut["heads"](key.shape[1]), cut["kv_length"](key.shape[2]),
+                               key.shape[3])
+            local_value = (cut["batch"](value.shape[0]), cut["heads"](value.shape[1]), cut["kv_length"](value.shape[2]),
+                           cut["value_width"](value.shape[3]))
+            local_mask = None
+            if mask is not None:
+                dims = ("batch", "heads", "length", "kv_length")[4 - mask.rank:]
+                local_mask = tuple(size if size == 1 else cut[role](size) for role, size in zip(dims, mask.shape))
+            entry = local_key(call.direction, query.dtype, local_query, local_key_shape, local_value, local_mask,
+                              mask.dtype if mask is not None else "", call.causal)
+            keys[entry] = 4.0 * local_query[0] * local_query[1] * local_query[2] * local_key_shape[2] * local_query[3]
+    return keys
+
+
+def attention_nodes(graph: Graph) -> Iterator[tuple[Node, AttentionCall]]:
+    """Each fused attention node of ``graph`` with its call."""
+    for node in graph.nodes:
+        call = attention_call(node)
+        if call is not None:
+            yield node, call
+
+
+def table_path(cache_dir: Path) -> Path:
+    """Where this machine's attention times are cached (per machine and torch version, as a calibration)."""
+    from .calibrate import _torch_version, calibration_key
+
+    return Path(cache_dir) / "calibration" / f"{calibration_key(1, 'attention', _torch_version())}.json"
+
+
+def load_table(path: Path) -> dict[AttentionKey, float]:
+    """The cached times at ``path`` (empty when there is none). A damaged file is an error that says how to redo it."""
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+        if document.get("format") != TABLE_FORMAT or document.get("version") != TABLE_VERSION:
+            raise ValueError(f"format {document.get('format')!r} version {document.get('version')!r}")
+        return {local_key(str(direction), str(dtype), tuple(map(int, query)), tuple(map(int, key)),
+                          tuple(map(int, value)), tuple(map(int, mask)) if mask else None, str(mask_dtype),
+                          bool(causal)): float(seconds)
+                for direction, dtype, query, key, value, mask, mask_dtype, causal, seconds in document["times"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ClusterError(f"the cached attention times {path} cannot be read ({err}); delete the file: the shapes are "
+                           f"timed again on the next plan") from None
+
+
+def _save_table(path: Path, table: dict[AttentionKey, float]) -> None:
+    from ..files import write_atomically
+
+    document = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
+                "times": [[*key, seconds] for key, seconds in sorted(table.items())]}
+    write_atomically(path, json.dumps(document))
+
+
+def time_attention(key: AttentionKey) -> float:
+    """Median seconds of one call of the fused attention ``key`` names, on the CPU, one thread (as each rank of a local
+    run). A backward is timed on the forward's own output and log-sum-exp of the same operands."""
+    import torch
+
+    from .calibrate_worker import _per_call_seconds
+
+    direction, dtype_name, query_shape, key_shape, value_shape, mask_shape, mask_dtype, causal = key
+    cpu, dtype = torch.device("cpu"), getattr(torch, dtype_name)
+    generator = torch.Generator().manual_seed(0)
+    query, key_tensor, value = (torch.randn(shape, generator=generator).to(dtype)
+                                for shape in (query_shape, key_shape, value_shape))
+    mask = None
+    if mask_shape:
+        mask = (torch.rand(mask_shape, generator=generator) > 0.1 if mask_dtype == "bool"
+                else torch.zeros(mask_shape).to(getattr(torch, mask_dtype)))
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if direction == "forward":
+            return _per_call_seconds(lambda: forward(query, key_tensor, value, 0.0, causal, attn_mask=mask), cpu)
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        out, logsumexp = forward(query, key_tensor, value, 0.0, causal, attn_mask=mask)
+        grad = torch.randn(out.shape, generator=generator).to(dtype)
+        return _per_call_seconds(
+            lambda: backward(grad, query, key_tensor, value, out, logsumexp, 0.0, causal, attn_mask=mask), cpu)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def with_measured_attention(cluster: Cluster, graph: Graph, cache_dir: Path, *, measure: bool = True,
+                            announce=None) -> Cluster:
+    """``cluster`` with its device pricing ``graph``'s fused attention at its times on this machine.
+
+    The cached times are read; with ``measure``, the shapes missing are timed first (within the timing budget) and the
+    cache written (atomically). Only a calibrated CPU cluster is changed (its device has matmul curves, which the
+    presets do not); on it each time is scaled by the calibration's sustained slowdown, as its rates are.
+    ``announce(text)`` is told before a timing of more than a few shapes starts.
+    """
+    device = cluster.device
+    if not device.matmul_curves:
+        return cluster
+    keys = attention_keys(graph, cluster.mesh)
+    if not keys:
+        return cluster
+    path = table_path(cache_dir)
+    table = load_table(path)
+    missing = [key for key in keys if key not in table]
+    if measure and missing:
+        timed, skipped = _time_missing(missing, keys, cluster, announce, path)
+        if timed:
+            table = {**load_table(path), **timed}  # another process may have added shapes meanwhile
+            _save_table(path, table)
+        if skipped:
+            logger.info("%d attention shape(s) keep their roofline price (priced above the longest timed call, refused "
+                        "by torch, or past the timing budget)", skipped)
+    slowdown = device.sustained_slowdown
+    priced = {key: table[key] * slowdown for key in keys if key in table}
+    merged = {**dict(device.attention_seconds), **priced}
+    return replace(cluster, device=replace(device, attention_seconds=tuple(sorted(merged.items()))))
+
+
+def _time_missing(missing: list[AttentionKey], keys: dict[AttentionKey, float], cluster: Cluster, announce,
+                  path: Path) -> tuple[dict[AttentionKey, float], int]:
+    from .matmul_times import LONGEST_TIMED_S, TIMING_BUDGET_S
+
+    device = cluster.device
+
+    def roofline_s(key: AttentionKey) -> float:  # a backward does about 2.5 forwards' work
+        return keys[key] * (2.5 if key[0] == "backward" else 1.0) / device.flops_per_s(key[1], keys[key])
+
+    wanted = [key for key in missing if roofline_s(key) <= LONGEST_TIMED_S]
+    if announce is not None and len(wanted) > 8:
+        announce(f"timing {len(wanted)} attention shape(s) of this step on this machine, once; cached in {path}")
+    timed: dict[AttentionKey, float] = {}
+    started = time.perf_counter()
+    for key in sorted(wanted, key=roofline_s):
+        if time.perf_counter() - started > TIMING_BUDGET_S:
+            break
+        try:
+            timed[key] = time_attention(key)
+        except RuntimeError as err:  # a local shape the kernel refuses: priced by its roofline, and said so
+            logger.info("attention shape %s not timed: torch refused it (%s)", key, str(err).splitlines()[0])
+    logger.info("timed %d attention shape(s) in %.1f s", len(timed), time.perf_counter() - started)
+    return timed, len(missing) - len(timed)
