@@ -262,3 +262,41 @@ def test_pipeline_run_rows_are_recorded_replaced_and_rendered(tmp_path):
     assert "| bert-tiny | 2 | 2 | 80.0 ms | 100.0 ms | 0.80 | FAIL | 3.0 |" in text
     assert "| llama-tiny | 2 | 4 | 120.0 ms | 60.0 ms | 2.00 | PASS | 3.0 |" in text
     assert "first" not in text and "again" in text
+
+
+def _pipeline_replica_drift() -> dict:
+    import torch.distributed as dist
+
+    import metadist
+    from metadist.ir import Replicate
+    from metadist.workloads import builtin_workload
+
+    workload = builtin_workload("mlp")
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = metadist.compile(workload.train_step(), mesh="pp=2,dp=2", microbatches=2, cluster="cpu-gloo")
+    step(workload.model, optimizer, workload.batch)
+    pipe = step.compiled.step
+    found = {"clean": pipe.replica_disagreements(), "rank": dist.get_rank(), "sub": tuple(pipe.sub_coords)}
+    replicated = sorted(name for name in pipe.stage.owned if pipe.local_state[name].is_floating_point()
+                        and all(isinstance(placement, Replicate) for placement in pipe._sharding_in(pipe.index, name)))
+    found["name"] = replicated[0] if replicated and found["sub"] == (1,) else None
+    if found["name"] is not None:  # the second rank of each stage moves one element of a replicated piece
+        with torch.no_grad():
+            piece = pipe.local_state[found["name"]].view(-1)
+            piece[0] += 1e-3 * (piece.abs().sum() + 1.0)
+    found["moved"] = pipe.replica_disagreements()
+    return found
+
+
+@pytest.mark.distributed
+def test_a_pipeline_compares_the_copies_within_each_stage():
+    """``--check`` on a pipeline compares every rank's copies of its stage's replicated pieces (each stage's sub-mesh on
+    its own): an element moved on the second rank of a stage is found and named; untouched copies agree."""
+    from test_runtime_support import run_distributed
+
+    results = run_distributed(_pipeline_replica_drift, 4, timeout_s=400)
+    assert all(result["clean"] == [] for result in results), [result["clean"] for result in results]
+    moved = sorted((result["name"], result["rank"]) for result in results if result["name"] is not None)
+    assert moved  # a stage keeps a replicated piece on its dp axis (the optimizer's step count at least)
+    for result in results:
+        assert sorted((name, rank) for name, _, rank in result["moved"]) == moved

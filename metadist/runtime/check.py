@@ -48,9 +48,9 @@ the gradient (the small CNN passes that way).
 
 The comparison reads one copy of a replicated value (the first device's). Each rank's copies are also
 compared with the others' through a fingerprint of each piece (its sum, absolute sum and the sum of every third
-element; :meth:`metadist.runtime.CompiledStep.replica_disagreements`): a rank whose replicated parameters or
-states drifted (a kernel that computed a whole output from an empty piece did so on one rank of four) fails the
-check as ``replicas:NAME@rankR`` even while the first device's copy is right.
+element; :func:`metadist.runtime.replicas.replica_disagreements`, for a pipeline within each stage's sub-mesh): a
+rank whose replicated parameters or states drifted (a kernel that computed a whole output from an empty piece did so
+on one rank of four) fails the check as ``replicas:NAME@rankR`` even while the first device's copy is right.
 
 The noise floor is measured from the gradients' differences, so only a check
 that compares gradients excuses anything. A plan file made for the step

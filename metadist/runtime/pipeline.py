@@ -493,6 +493,20 @@ class PipelineStep:
         """:meth:`grads` as :meth:`state_one_by_one` hands the state over."""
         return self._each_to_first(self._grad_makers())
 
+    def replica_disagreements(self) -> list[tuple[str, float, int]]:
+        """The state and gradient values whose copies disagree across the ranks of a stage's sub-mesh that should hold
+        the same piece (collective over every process; every rank gets the answer): ``(name, relative difference,
+        rank)`` of the worst copy of each (:func:`.replicas.replica_disagreements`, each stage's sub-mesh on its own)."""
+        from .replicas import replica_disagreements
+
+        whole = tuple(Replicate() for _ in self.sub_coords)
+        items = [(name, self.local_state[name], self._sharding_in(self.index, name)) for name in self.stage.owned]
+        items += [(f"grad:{parameter}", self._grads_local[value], self._sharding_in(self.index, value))
+                  for parameter, (value, where) in self.plan.grads.items()
+                  if where == self.index and parameter not in self._update_grads]
+        items += [(f"grad:{parameter}", tensor, whole) for parameter, tensor in self._update_grads.items()]
+        return replica_disagreements(items, self.sub_coords, scope=self.index)
+
     def _grad_makers(self) -> list[_Maker]:
         makers = [self._whole_of(parameter, self._grads_local[value], value) for parameter, (value, where) in self.plan.grads.items()
                   if where == self.index and parameter not in self._update_grads]

@@ -124,8 +124,9 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     report = None
     if reference is not None:
         # one whole tensor at a time, from each stage's lead to rank 0 (every rank runs both streams to their end)
+        replicas = step.replica_disagreements()  # collective: each stage's copies of its replicated pieces
         report = compare_on_rank_zero(reference, losses, step.state_one_by_one(workload.model, optimizer, workload.batch),
-                                      step.grads_one_by_one(), reporter)
+                                      step.grads_one_by_one(), reporter, replicas)
     if config.summary_path is not None and env.rank == 0:
         from .summary import RunSummary, UnruledOp, check_summary, unruled_ops
 

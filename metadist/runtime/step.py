@@ -43,6 +43,7 @@ from .host_memory import keep_freed_host_memory
 from .model_state import StateBinding, StateSlot, holders_of, install, is_sharded_here, place
 from .outside import enable_outside_forward
 from .precision_check import check_device_precision
+from .replicas import REPLICA_TOLERANCE, replica_disagreements
 from .start_state import (
     BroadcastReport, broadcast_rng_state, broadcast_start_state, check_same_batch, check_same_structure, gather_batch_dim0,
 )
@@ -52,10 +53,6 @@ __all__ = ["BATCH_MODES", "CompiledStep", "shard_full_tensor"]
 log = logging.getLogger(__name__)
 
 _STATE_KINDS = ("param", "buffer", "state")
-
-REPLICA_TOLERANCE = 1e-5
-"""How far two copies of a replicated piece may differ (:meth:`CompiledStep.replica_disagreements`), relative to the
-piece's absolute sum: copies made by the same kernels on the same inputs agree exactly."""
 
 BATCH_MODES = ("global", "local")
 """``global``: every rank passes the whole batch (checked alike); ``local``: each rank its slice along dim 0."""
@@ -421,51 +418,14 @@ class CompiledStep:
 
     def replica_disagreements(self, tolerance: float = REPLICA_TOLERANCE) -> list[tuple[str, float, int]]:
         """The state and gradient values whose copies disagree across the ranks that should hold the same piece
-        (collective; every rank gets the answer): ``(name, relative difference, rank)`` of the worst copy of each.
-
-        A value replicated over a mesh axis is computed, or received, whole on each rank of that axis, and a check
-        compares one copy (:meth:`_each_to_first` takes coordinate 0's): a rank whose copy drifted would go unseen
-        until it spread. Each rank sends, per value with a replicated axis, the float64 sum of its piece, of its
-        absolute values and of every third element (which moves when elements are permuted); the ranks at the same
-        coordinates on the value's other axes are held to ``tolerance`` times the piece's absolute sum. Copies made
-        by the same kernels on the same inputs agree exactly; the bound leaves room for a kernel whose reduction
-        order follows the shape of an operand the value does not depend on."""
-        items = [(key, local, sharding) for key, local, _, sharding in self._state_items() + self._grad_items()
-                 if any(isinstance(placement, Replicate) for placement in sharding)
-                 and all(isinstance(placement, (Shard, Replicate)) for placement in sharding)
-                 and local.is_floating_point()]
+        (collective; every rank gets the answer): ``(name, relative difference, rank)`` of the worst copy of each
+        (:func:`.replicas.replica_disagreements`)."""
         if self.plan.mesh.size != torch.distributed.get_world_size():
             raise RuntimeSetupError(f"replica_disagreements compares the copies of a mesh of every process; this mesh "
                                     f"has {self.plan.mesh.size} of {torch.distributed.get_world_size()}")
-        rows = []
-        for _, local, _ in items:
-            flat = local.detach().reshape(-1)  # summed in float64 as it is read, without a float64 copy
-            rows.append(torch.stack([flat.sum(dtype=torch.float64),
-                                     torch.linalg.vector_norm(flat, 1, dtype=torch.float64),
-                                     flat[::3].sum(dtype=torch.float64)]))
-        # on the device where the pieces are: no host round trip per piece
-        prints = torch.stack(rows) if rows else torch.zeros((0, 3), dtype=torch.float64, device=self.device)
-        gathered = [torch.zeros_like(prints) for _ in range(self.plan.mesh.size)]
-        torch.distributed.all_gather(gathered, prints)
-        by_rank = [tensor.cpu() for tensor in gathered]
-        ranks = [int(rank) for rank in self.device_mesh.mesh.flatten().tolist()]
-        gathered = [by_rank[rank] for rank in ranks]  # in mesh order
-        coords = {rank: mesh_coordinates(self.plan.mesh, index) for index, rank in enumerate(ranks)}
-        found = []
-        for row, (key, _, sharding) in enumerate(items):
-            first: dict[tuple, int] = {}
-            worst = (0.0, -1)
-            for index, rank in enumerate(ranks):
-                group = tuple(c for c, placement in zip(coords[rank], sharding) if not isinstance(placement, Replicate))
-                leader = first.setdefault(group, index)
-                mine, theirs = gathered[index][row], gathered[leader][row]
-                scale = float(max(mine[1], theirs[1]))
-                difference = float((mine - theirs).abs().max()) / scale if scale > 0 else 0.0
-                if not difference <= tolerance and not difference <= worst[0]:  # a NaN fingerprint disagrees
-                    worst = (difference, rank)
-            if worst[1] >= 0:
-                found.append((key, worst[0], worst[1]))
-        return found
+        items = [(key, local, sharding) for key, local, _, sharding in self._state_items()]
+        items += [(f"grad:{key}", local, sharding) for key, local, _, sharding in self._grad_items()]
+        return replica_disagreements(items, self.coords, tolerance=tolerance)
 
     def sharded_state_dict(self) -> dict:
         """Parameters, buffers and optimizer states as DTensors over this rank's shards (no copy, no collective)."""
