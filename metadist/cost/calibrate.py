@@ -306,7 +306,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 16
+CALIBRATION_VERSION = 17
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -325,8 +325,10 @@ of the sustained slowdown; 13: what an op on a sharded DTensor costs beyond the 
 of two sizes, its copies and hooks with its collectives (``fsdp_unit_s:VARIANT:BYTES``, :attr:`.cluster.Link.fsdp_unit_costs`); 15:
 taken by a change since reverted (the elementwise curve to 32M elements); 16: collectives timed at 32 MiB too, and
 priced on the line through the sizes timed from 1 MiB up (:attr:`.cluster.Link.kind_rates_beyond`), the workers
-keeping freed host memory as the steps do, and the elementwise curve to 32M elements (version 15's point). A cache
-of an older version is measured again, not read."""
+keeping freed host memory as the steps do, and the elementwise curve to 32M elements (version 15's point); 17: the
+in-step all-reduce timed after a compute phase of about a scheduler turn (3 ms, not 0.27: the other ranks are
+computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`). A cache of an older version
+is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -620,9 +620,19 @@ def _fsdp_unit_seconds(world: int, repeats: int) -> dict[str, float]:
     return figures
 
 
+IN_STEP_PHASE_OPS = 1200
+"""Tiny ops in the compute phase before the in-step all-reduce (:func:`_in_step_collective`): about 3 ms, a scheduler
+turn, on this project's machine. In a step the other ranks are computing while a collective runs, and on processes
+that share cores the ranks of a collective then wait for a turn on a core: on 4 gloo processes sharing 2 cores a
+4 KiB all-gather between 2 of them cost 0.46 ms after a phase of 0.25 ms (every rank soon idle), 1.3 after 1 ms and
+2.0 after 3 ms; an all-reduce among the 4, 4.1, 6.0 and 6.4 ms. The 100-op phase of version 16 and before (0.27 ms)
+priced a 2x2 plan's four calls between pairs at 0.6 ms each, and the plan that made them ran x1.46 of DDP's one. On 2
+processes the figure is the same after either phase (0.3-0.5 ms)."""
+
+
 def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:
     """(a phase of tiny ops alone, what a 4 KiB all-reduce on ``axis`` of ``comm`` adds after it), medians."""
-    phase = _tiny_op_chain(100)
+    phase = _tiny_op_chain(IN_STEP_PHASE_OPS)
     tiny, small = torch.ones(8), torch.ones(1024)
 
     def computing() -> None:
@@ -636,9 +646,10 @@ def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:
         computing_then_reducing()
     dist.barrier()
     alone, extra = [], []
-    # interleaved, so that a change of the machine's load hits both alike; 135 pairs (~0.3 s): the difference is
-    # a few tenths of a millisecond to a few, and its median over 45 pairs moved 2x between two calibrations
-    for _ in range(9 * repeats):
+    # interleaved, so that a change of the machine's load hits both alike; 63 pairs (~0.5 s): the difference is
+    # a few tenths of a millisecond to a few, and its median over 45 pairs of the old short phase moved 2x between two
+    # calibrations
+    for _ in range(3 * repeats):
         alone.append(median_seconds(computing, 1))
         extra.append(median_seconds(computing_then_reducing, 1) - alone[-1])
     return statistics.median(alone), max(statistics.median(extra), 0.0)
