@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from metadist.cost import Cluster, ClusterError, Link
+from test_cost_matmul_times import _cluster, _device
+
+from metadist.cost import Cluster, ClusterError
 from metadist.cost.attention_times import (attention_call, attention_keys, load_table, local_key, table_path,
                                            time_attention, with_measured_attention)
-from metadist.cost.cluster import Device
 from metadist.cost.compute import compute_seconds, local_attention_key, node_work
 from metadist.ir import Graph, GraphInput, GraphOutput, MetaOp, Mesh, Node, Replicate, Role, Shard, TensorSpec, Value, ValueRef
 from metadist.ir.plan import AxisChoice, NodeStrategy
@@ -38,18 +39,6 @@ def _graph(dtype: str = "bfloat16", dropout: float = 0.0) -> Graph:
     inputs = tuple(GraphInput(Value(name, spec), Role.BATCH) for name in ("q", "k", "v", "grad")) + (
         GraphInput(Value("mask", TensorSpec((4, 1, 8, 8), dtype)), Role.BATCH),)
     return Graph(inputs, nodes, (GraphOutput("gq", Role.LOSS), GraphOutput("out2", Role.METRIC)), name="attention")
-
-
-def _device(**changes) -> Device:
-    device = Device(peak_flops_per_s=6e10, memory_bandwidth_bytes_per_s=2e10, memory_capacity_bytes=1e9,
-                    matmul_curves={"bfloat16": [(1e3, 1e9), (1e8, 1.3e9)], "float32": [(1e3, 5e10), (1e8, 6e10)]},
-                    op_overhead_s=1e-5)
-    return replace(device, **changes)
-
-
-def _cluster(mesh: Mesh, device: Device) -> Cluster:
-    return Cluster(mesh=mesh, device=device, axis_links=tuple(Link(bandwidth_bytes_per_s=1e9, latency_s=1e-5)
-                                                              for _ in mesh.shape), name="calibrated-gloo")
 
 
 def test_the_call_names_the_query_key_value_and_mask_among_the_inputs():

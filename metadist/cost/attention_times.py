@@ -23,15 +23,15 @@ roofline price.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..ir import Graph, Literal, Mesh, Node, ValueRef
-from .cluster import AttentionKey, Cluster, ClusterError
+from .cluster import AttentionKey, Cluster
+from .timed_shapes import read_times, with_timed, write_times
 
 __all__ = ["ATTENTION_OPS", "AttentionCall", "attention_call", "attention_keys", "table_path", "load_table",
            "with_measured_attention", "time_attention"]
@@ -179,27 +179,17 @@ def table_path(cache_dir: Path) -> Path:
 
 def load_table(path: Path) -> dict[AttentionKey, float]:
     """The cached times at ``path`` (empty when there is none). A damaged file is an error that says how to redo it."""
-    if not path.is_file():
-        return {}
-    try:
-        document = json.loads(path.read_text())
-        if document.get("format") != TABLE_FORMAT or document.get("version") != TABLE_VERSION:
-            raise ValueError(f"format {document.get('format')!r} version {document.get('version')!r}")
-        return {local_key(str(direction), str(dtype), tuple(map(int, query)), tuple(map(int, key)),
-                          tuple(map(int, value)), tuple(map(int, mask)) if mask else None, str(mask_dtype),
-                          bool(causal)): float(seconds)
-                for direction, dtype, query, key, value, mask, mask_dtype, causal, seconds in document["times"]}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ClusterError(f"the cached attention times {path} cannot be read ({err}); delete the file: the shapes are "
-                           f"timed again on the next plan") from None
+    return read_times(path, TABLE_FORMAT, TABLE_VERSION, "attention", _key_of_row)
+
+
+def _key_of_row(row: list) -> AttentionKey:
+    direction, dtype, query, key, value, mask, mask_dtype, causal = row
+    return local_key(str(direction), str(dtype), tuple(map(int, query)), tuple(map(int, key)), tuple(map(int, value)),
+                     tuple(map(int, mask)) if mask else None, str(mask_dtype), bool(causal))
 
 
 def _save_table(path: Path, table: dict[AttentionKey, float]) -> None:
-    from ..files import write_atomically
-
-    document = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
-                "times": [[*key, seconds] for key, seconds in sorted(table.items())]}
-    write_atomically(path, json.dumps(document))
+    write_times(path, TABLE_FORMAT, TABLE_VERSION, table)
 
 
 def time_attention(key: AttentionKey) -> float:
@@ -242,27 +232,17 @@ def with_measured_attention(cluster: Cluster, graph: Graph, cache_dir: Path, *, 
     presets do not); on it each time is scaled by the calibration's sustained slowdown, as its rates are.
     ``announce(text)`` is told before a timing of more than a few shapes starts.
     """
-    device = cluster.device
-    if not device.matmul_curves:
+    if not cluster.device.matmul_curves:
         return cluster
     keys = attention_keys(graph, cluster.mesh)
     if not keys:
         return cluster
     path = table_path(cache_dir)
-    table = load_table(path)
-    missing = [key for key in keys if key not in table]
-    if measure and missing:
-        timed, skipped = _time_missing(missing, keys, cluster, announce, path)
-        if timed:
-            table = {**load_table(path), **timed}  # another process may have added shapes meanwhile
-            _save_table(path, table)
-        if skipped:
-            logger.info("%d attention shape(s) keep their roofline price (priced above the longest timed call, refused "
-                        "by torch, or past the timing budget)", skipped)
-    slowdown = device.sustained_slowdown
-    priced = {key: table[key] * slowdown for key in keys if key in table}
-    merged = {**dict(device.attention_seconds), **priced}
-    return replace(cluster, device=replace(device, attention_seconds=tuple(sorted(merged.items()))))
+    note = ("%d attention shape(s) keep their roofline price (priced above the longest timed call, refused by torch, "
+            "or past the timing budget)")
+    return with_timed(cluster, keys, path, read=load_table, write=_save_table, field="attention_seconds",
+                      time_missing=lambda missing: _time_missing(missing, keys, cluster, announce, path),
+                      measure=measure, skipped_note=note)
 
 
 def _time_missing(missing: list[AttentionKey], keys: dict[AttentionKey, float], cluster: Cluster, announce,

@@ -21,16 +21,15 @@ on 2x2 take ~6 s once. A matmul whose curve price exceeds :data:`LONGEST_TIMED_S
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..ir import Graph, Mesh, Node
-from .cluster import Cluster, ClusterError, MatmulKey
+from .cluster import Cluster, MatmulKey
 from .compute import _BATCHED, Work, _prod, compute_dtype, node_work
+from .timed_shapes import read_times, with_timed, write_times
 
 __all__ = ["NARROW_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table", "with_measured_matmuls",
            "time_matmul"]
@@ -98,25 +97,12 @@ def table_path(cache_dir: Path) -> Path:
 
 def load_table(path: Path) -> dict[MatmulKey, float]:
     """The cached times at ``path`` (empty when there is none). A damaged file is an error that says how to redo it."""
-    if not path.is_file():
-        return {}
-    try:
-        document = json.loads(path.read_text())
-        if document.get("format") != TABLE_FORMAT or document.get("version") != TABLE_VERSION:
-            raise ValueError(f"format {document.get('format')!r} version {document.get('version')!r}")
-        return {(str(d), str(layout), int(b), int(m), int(k), int(n)): float(seconds)
-                for d, layout, b, m, k, n, seconds in document["times"]}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ClusterError(f"the cached matmul times {path} cannot be read ({err}); delete the file: the shapes are "
-                           f"timed again on the next plan") from None
+    return read_times(path, TABLE_FORMAT, TABLE_VERSION, "matmul",
+                      lambda row: (str(row[0]), str(row[1]), *(int(size) for size in row[2:6])))
 
 
 def _save_table(path: Path, table: dict[MatmulKey, float]) -> None:
-    from ..files import write_atomically
-
-    document = {"format": TABLE_FORMAT, "version": TABLE_VERSION,
-                "times": [[*key, seconds] for key, seconds in sorted(table.items())]}
-    write_atomically(path, json.dumps(document))
+    write_times(path, TABLE_FORMAT, TABLE_VERSION, table)
 
 
 def time_matmul(key: MatmulKey) -> float:
@@ -146,27 +132,17 @@ def with_measured_matmuls(cluster: Cluster, graph: Graph, cache_dir: Path, *, me
     the presets do not); on it each time is scaled by the calibration's sustained slowdown, as its rates are.
     ``announce(text)`` is told before a timing of more than a few shapes starts.
     """
-    device = cluster.device
-    if not device.matmul_curves:
+    if not cluster.device.matmul_curves:
         return cluster
     keys = matmul_keys(graph, cluster.mesh)
     if not keys:
         return cluster
     path = table_path(cache_dir)
-    table = load_table(path)
-    missing = [key for key in keys if key not in table]
-    if measure and missing:
-        timed, skipped = _time_missing(missing, keys, cluster, announce, path)
-        if timed:
-            table = {**load_table(path), **timed}  # another process may have added shapes meanwhile
-            _save_table(path, table)
-        if skipped:
-            logger.info("%d matmul shape(s) keep their curve price (priced above %.1f s, or past the %.0f s timing "
-                        "budget)", skipped, LONGEST_TIMED_S, TIMING_BUDGET_S)
-    slowdown = device.sustained_slowdown
-    priced = {key: table[key] * slowdown for key in keys if key in table}
-    merged = {**dict(device.matmul_seconds), **priced}
-    return replace(cluster, device=replace(device, matmul_seconds=tuple(sorted(merged.items()))))
+    note = (f"%d matmul shape(s) keep their curve price (priced above {LONGEST_TIMED_S:.1f} s, or past the "
+            f"{TIMING_BUDGET_S:.0f} s timing budget)")
+    return with_timed(cluster, keys, path, read=load_table, write=_save_table, field="matmul_seconds",
+                      time_missing=lambda missing: _time_missing(missing, keys, cluster, announce, path),
+                      measure=measure, skipped_note=note)
 
 
 def _time_missing(missing: list[MatmulKey], keys: dict[MatmulKey, float], cluster: Cluster, announce,

@@ -1,0 +1,70 @@
+"""The cache and the pricing shared by the ops a plan times by local shape on this machine (issue #16, part 2).
+
+:mod:`.matmul_times` (narrow-dtype matmuls) and :mod:`.attention_times` (fused attention) each list the local calls a
+step may run (their keys), time the ones missing from a per-machine cache file beside the calibration, and put the
+times into the device the cost model prices with (scaled by the calibration's sustained slowdown). This module is that
+common part: the cache file (:func:`read_times`, :func:`write_times`) and :func:`with_timed`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .cluster import Cluster, ClusterError
+
+logger = logging.getLogger(__name__)
+
+
+def read_times(path: Path, table_format: str, version: int, what: str,
+               key_of: Callable[[list], tuple]) -> dict[tuple, float]:
+    """The cached times at ``path`` (empty when there is none): each row's key made by ``key_of`` from the row less its
+    last item (the seconds). A damaged file, or one of another format or version, is an error that says how to redo
+    it; ``what`` names the table in it (``matmul``, ``attention``)."""
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+        if document.get("format") != table_format or document.get("version") != version:
+            raise ValueError(f"format {document.get('format')!r} version {document.get('version')!r}")
+        return {key_of(list(row[:-1])): float(row[-1]) for row in document["times"]}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise ClusterError(f"the cached {what} times {path} cannot be read ({err}); delete the file: the shapes are "
+                           f"timed again on the next plan") from None
+
+
+def write_times(path: Path, table_format: str, version: int, table: Mapping[tuple, float]) -> None:
+    """Write ``table`` ({key: seconds}) at ``path``, atomically."""
+    from ..files import write_atomically
+
+    document = {"format": table_format, "version": version,
+                "times": [[*key, seconds] for key, seconds in sorted(table.items())]}
+    write_atomically(path, json.dumps(document))
+
+
+def with_timed(cluster: Cluster, keys: Mapping[tuple, Any], path: Path, *, read: Callable[[Path], dict],
+               write: Callable[[Path, dict], None], time_missing: Callable[[list], tuple[dict, int]], field: str,
+               measure: bool, skipped_note: str) -> Cluster:
+    """``cluster`` with its device's ``field`` (``matmul_seconds``, ``attention_seconds``) holding the times of ``keys``.
+
+    The cached times at ``path`` are read (``read``); with ``measure``, the keys missing are timed first
+    (``time_missing(missing) -> (timed, skipped count)``) and the cache written again (``write``) with what another
+    process may have added meanwhile. Each time is scaled by the device's sustained slowdown, as its rates are; a key
+    neither cached nor timed is left out (the cost model keeps its own price), and ``skipped_note`` (with ``%d``, the
+    count) is logged when some were."""
+    table = read(path)
+    missing = [key for key in keys if key not in table]
+    if measure and missing:
+        timed, skipped = time_missing(missing)
+        if timed:
+            table = {**read(path), **timed}
+            write(path, table)
+        if skipped:
+            logger.info(skipped_note, skipped)
+    device = cluster.device
+    priced = {key: table[key] * device.sustained_slowdown for key in keys if key in table}
+    merged = {**dict(getattr(device, field)), **priced}
+    return replace(cluster, device=replace(device, **{field: tuple(sorted(merged.items()))}))
