@@ -108,12 +108,17 @@ class CollectiveCall:
 
     @property
     def wire_bytes(self) -> float | None:
-        """Bytes this rank sends with a ring algorithm (None when the group size is unknown)."""
+        """Bytes this rank sends with a ring algorithm (None when the group size is unknown); a send its payload, a
+        receive and a barrier nothing."""
         n = self.group_size
+        if self.kind in ("recv", "barrier"):
+            return 0.0
         if n <= 0:
             return None
         if n == 1:
             return 0.0
+        if self.kind == "send":
+            return float(self.payload_bytes)
         if carried_kind(self.kind, self.reduce_scatter_as_all_reduce) == "all_reduce":
             return 2 * (n - 1) / n * self.payload_bytes
         return (n - 1) / n * self.payload_bytes
@@ -323,36 +328,14 @@ def process_group_sizes() -> dict[str, int]:
     return {str(name): group.size() for group, name in c10d._world.pg_names.items()}
 
 
-@dataclass(frozen=True)
-class RecordedCall:
-    """One collective as the backend carried it out (a flight recorder entry)."""
-
-    kind: str
-    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send... (gloo's reduce-scatter: all_reduce)."""
-    payload_bytes: int
-    """Per-rank payload in the convention of the module docstring."""
-    group_size: int
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes this rank sends with a ring algorithm (a send its payload; a receive and a barrier nothing)."""
-        n = self.group_size
-        if self.kind in ("recv", "barrier") or n <= 1:
-            return 0.0
-        if self.kind == "send":
-            return float(self.payload_bytes)
-        if self.kind == "all_reduce":
-            return 2 * (n - 1) / n * self.payload_bytes
-        return (n - 1) / n * self.payload_bytes
-
-
 class UnreadableRecord(ValueError):
     """A flight recorder entry that the counter cannot read (a kind, a dtype or a group it does not know)."""
 
 
 def recorded_calls(entries: Sequence[Mapping[str, Any]], after: int, upto: int,
-                   group_sizes: Mapping[str, int]) -> tuple[RecordedCall, ...]:
-    """The collectives the flight recorder logged with record ids in ``(after, upto]``.
+                   group_sizes: Mapping[str, int]) -> tuple[CollectiveCall, ...]:
+    """The collectives the flight recorder logged with record ids in ``(after, upto]``, as the backend carried them out
+    (gloo's reduce-scatter as the all-reduce it runs; ``op`` the entry's ``profiling_name``).
 
     Raises :class:`UnreadableRecord` when an entry of the window is missing (the recorder's ring overwrote it), or
     names a collective, a dtype or a process group (``group_sizes``: :func:`process_group_sizes`) the counter does
@@ -364,7 +347,7 @@ def recorded_calls(entries: Sequence[Mapping[str, Any]], after: int, upto: int,
     return tuple(_recorded_call(entry, group_sizes) for entry in window_entries)
 
 
-def _recorded_call(entry: Mapping[str, Any], group_sizes: Mapping[str, int]) -> RecordedCall:
+def _recorded_call(entry: Mapping[str, Any], group_sizes: Mapping[str, int]) -> CollectiveCall:
     name = str(entry.get("profiling_name", ""))
     operation = name.split(":", 1)[-1]
     kind = next((kind for text, kind in _RECORDED_KINDS if text in operation), None)
@@ -381,4 +364,4 @@ def _recorded_call(entry: Mapping[str, Any], group_sizes: Mapping[str, int]) -> 
         if dtype not in _RECORDED_ELEMENT_BYTES:
             raise UnreadableRecord(f"flight recorder entry {name!r}: dtype {dtype!r} has no known element size")
         payload += _numel(shape) * _RECORDED_ELEMENT_BYTES[dtype]
-    return RecordedCall(kind=kind, payload_bytes=payload, group_size=group_sizes[group])
+    return CollectiveCall(kind=kind, payload_bytes=payload, op=name, group_size=group_sizes[group])

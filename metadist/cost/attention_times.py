@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..ir import Graph, Literal, Mesh, Node, ValueRef
-from .cluster import AttentionKey, Cluster
+from ..ir.graph import _refs
+from .cluster import AttentionKey, Cluster, attention_key_of
 from .timed_shapes import read_times, with_timed, write_times
 
 __all__ = ["ATTENTION_OPS", "AttentionCall", "attention_call", "attention_keys", "table_path", "load_table",
@@ -86,16 +87,13 @@ def attention_call(node: Node) -> AttentionCall | None:
     causal = _plain(args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False))
     if not isinstance(dropout, (int, float)) or dropout != 0 or not isinstance(causal, bool):
         return None
-    refs = [_ref_position(node, args, i) for i in positions]
+    # the node's inputs are every argument's refs, then the keyword arguments' (Node.input_names)
+    ordered = [*args, *(arg for _, arg in node.kwargs)]
+    refs = [_refs_before(ordered, i) for i in positions]
     mask = kwargs.get("attn_mask")
     mask_at = None
-    if isinstance(mask, ValueRef):  # the node's inputs: every argument's refs, then the keyword arguments' in order
-        before = [name for arg in args for name in _refs_of(arg)]
-        for name, arg in node.kwargs:
-            if name == "attn_mask":
-                break
-            before.extend(_refs_of(arg))
-        mask_at = len(before)
+    if isinstance(mask, ValueRef):
+        mask_at = _refs_before(ordered, len(args) + [name for name, _ in node.kwargs].index("attn_mask"))
     elif mask is not None:
         return None
     return AttentionCall(direction, *refs, mask=mask_at, causal=causal)
@@ -105,17 +103,10 @@ def _plain(arg: Any) -> Any:
     return arg.value if isinstance(arg, Literal) else arg
 
 
-def _refs_of(arg: Any) -> list[str]:
-    if isinstance(arg, ValueRef):
-        return [arg.name]
-    if isinstance(arg, tuple):
-        return [name for item in arg for name in _refs_of(item)]
-    return []
-
-
-def _ref_position(node: Node, args: tuple, index: int) -> int:
-    """The position among the node's inputs of the tensor argument at ``index``."""
-    return len([name for arg in args[:index] for name in _refs_of(arg)])
+def _refs_before(arguments: list, index: int) -> int:
+    """The position among a node's inputs of the tensor argument at ``index`` of its ``arguments`` (its args, then its
+    keyword arguments' values)."""
+    return sum(1 for arg in arguments[:index] for _ in _refs(arg))
 
 
 def local_key(direction: str, dtype: str, query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...],
@@ -145,17 +136,18 @@ def attention_keys(graph: Graph, mesh: Mesh) -> dict[AttentionKey, float]:
             for axis, role in enumerate(assignment):
                 if role is not None:
                     pieces[role] *= mesh.shape[axis]
-            cut = {role: lambda size, count=count: -(-size // count) for role, count in pieces.items()}
-            local_query = (cut["batch"](query.shape[0]), cut["heads"](query.shape[1]), cut["length"](query.shape[2]),
-                           query.shape[3])
-            local_key_shape = (cut["batch"](key.shape[0]), cut["heads"](key.shape[1]), cut["kv_length"](key.shape[2]),
-                               key.shape[3])
-            local_value = (cut["batch"](value.shape[0]), cut["heads"](value.shape[1]), cut["kv_length"](value.shape[2]),
-                           cut["value_width"](value.shape[3]))
+
+            def cut(shape: tuple[int, ...], roles: tuple[str | None, ...]) -> tuple[int, ...]:
+                """The largest piece of ``shape`` whose dims the ``roles`` name (None: uncut; a dim of 1 broadcasts)."""
+                return tuple(size if role is None or size == 1 else -(-size // pieces[role])
+                             for role, size in zip(roles, shape))
+
+            local_query = cut(query.shape, ("batch", "heads", "length", None))
+            local_key_shape = cut(key.shape, ("batch", "heads", "kv_length", None))
+            local_value = cut(value.shape, ("batch", "heads", "kv_length", "value_width"))
             local_mask = None
             if mask is not None:
-                dims = ("batch", "heads", "length", "kv_length")[4 - mask.rank:]
-                local_mask = tuple(size if size == 1 else cut[role](size) for role, size in zip(dims, mask.shape))
+                local_mask = cut(mask.shape, ("batch", "heads", "length", "kv_length")[4 - mask.rank:])
             entry = local_key(call.direction, query.dtype, local_query, local_key_shape, local_value, local_mask,
                               mask.dtype if mask is not None else "", call.causal)
             keys[entry] = 4.0 * local_query[0] * local_query[1] * local_query[2] * local_key_shape[2] * local_query[3]
@@ -179,13 +171,7 @@ def table_path(cache_dir: Path) -> Path:
 
 def load_table(path: Path) -> dict[AttentionKey, float]:
     """The cached times at ``path`` (empty when there is none). A damaged file is an error that says how to redo it."""
-    return read_times(path, TABLE_FORMAT, TABLE_VERSION, "attention", _key_of_row)
-
-
-def _key_of_row(row: list) -> AttentionKey:
-    direction, dtype, query, key, value, mask, mask_dtype, causal = row
-    return local_key(str(direction), str(dtype), tuple(map(int, query)), tuple(map(int, key)), tuple(map(int, value)),
-                     tuple(map(int, mask)) if mask else None, str(mask_dtype), bool(causal))
+    return read_times(path, TABLE_FORMAT, TABLE_VERSION, "attention", attention_key_of)
 
 
 def _save_table(path: Path, table: dict[AttentionKey, float]) -> None:

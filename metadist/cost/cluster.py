@@ -111,8 +111,8 @@ class Link:
         return None
 
 
-def _attention_key(key: Any) -> AttentionKey:
-    """An attention key with its shapes as tuples (a JSON document gives lists)."""
+def attention_key_of(key: Any) -> AttentionKey:
+    """An attention key with its shapes as tuples (a JSON document, a cluster's or the cached times', gives lists)."""
     direction, dtype, query, key_shape, value, mask, mask_dtype, causal = key
     return (str(direction), str(dtype), tuple(int(size) for size in query), tuple(int(size) for size in key_shape),
             tuple(int(size) for size in value), tuple(int(size) for size in mask), str(mask_dtype), bool(causal))
@@ -234,7 +234,7 @@ class Device:
         matmuls = tuple((tuple(key), float(seconds)) for key, seconds in self.matmul_seconds)
         object.__setattr__(self, "matmul_seconds", matmuls)
         object.__setattr__(self, "_matmul_seconds", dict(matmuls))
-        attention = tuple((_attention_key(key), float(seconds)) for key, seconds in self.attention_seconds)
+        attention = tuple((attention_key_of(key), float(seconds)) for key, seconds in self.attention_seconds)
         object.__setattr__(self, "attention_seconds", attention)
         object.__setattr__(self, "_attention_seconds", dict(attention))
         elements = _dtype_pairs(self.op_element_seconds)

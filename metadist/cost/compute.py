@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from ..ir import Graph, Mesh, Node, Shard, TensorSpec
 from ..ir.plan import NodeStrategy
-from .attention_times import ATTENTION_OPS, attention_call
+from .attention_times import attention_call
 from .cluster import Device
 from .sharding import largest_local_shape, local_nbytes
 
@@ -147,7 +147,7 @@ def node_work(graph: Graph, node: Node) -> Work:
         try:
             flops = formula(ins, outs)
             if not (operands and operands[1] < len(ins)):
-                return Work(flops=flops, op=name, attention=attention_call(node) if name in ATTENTION_OPS else None)
+                return Work(flops=flops, op=name, attention=attention_call(node))
             return Work(flops=flops, operands=operands, op=name,
                         layout=matmul_layout(graph, node.input_names[operands[0]], node.input_names[operands[1]]))
         except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
