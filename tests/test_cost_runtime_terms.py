@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ from metadist.cost.calibrate import (
 )
 from metadist.cost.cluster import ClusterError, Link
 from metadist.cost.comm import collective_seconds
+from metadist.cost.memory import liveness
 from metadist.ir import Mesh
 from metadist.solver import baseline_plan, plan_graph
 from metadist.solver.baselines import dtensor_seconds, fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate, torch_tp_estimate
@@ -261,3 +263,136 @@ def test_an_older_calibration_is_measured_again_and_never_shares_a_file(tmp_path
     path.write_text(json.dumps({"format": CALIBRATION_FORMAT, "version": 99, "report": {}}))
     with pytest.raises(ClusterError, match="metadist calibrate"):
         load_calibration(path)
+
+
+def test_a_calls_wait_grows_with_the_compute_before_it_and_levels_off():
+    link = Link(bandwidth_bytes_per_s=1e9, latency_s=10e-6, sync_s=5e-3, sync_by_gap=((3e-3, 5e-3), (0.3e-3, 0.5e-3)))
+    assert link.sync_by_gap == ((0.3e-3, 0.5e-3), (3e-3, 5e-3))  # sorted by gap
+    assert link.sync_after(0.0) == link.sync_after(0.3e-3) == pytest.approx(0.5e-3)  # the end points beyond either end
+    assert link.sync_after(1.65e-3) == pytest.approx(2.75e-3)  # linear between them
+    assert link.sync_after(3e-3) == link.sync_after(1.0) == pytest.approx(5e-3)
+    assert Link(bandwidth_bytes_per_s=1e9, latency_s=0.0, sync_s=2e-3).sync_after(1e-6) == 2e-3  # none measured: sync_s
+    with pytest.raises(ClusterError, match="sync by gap"):
+        replace(link, sync_by_gap=((1e-3, -1.0),))
+    # a step's calls priced by the compute before each; the first follows the last call's trailing compute
+    from metadist.cost.comm import sync_corrections
+
+    plain = Link(bandwidth_bytes_per_s=1e9, latency_s=0.0, sync_s=1e-3)
+    calls = [(0.0, 1.0, link), (10e-3, 1.0, link), (0.0, 1.0, link), (1.65e-3, 1.0, plain)]
+    corrections = sync_corrections(calls, trailing_s=0.1e-3)
+    assert corrections == pytest.approx([0.5e-3 - 5e-3, 0.0, 0.5e-3 - 5e-3, 0.0])  # a plain link pays its sync_s
+    # the trailing compute reaches the first call: after a long last stretch it waits long
+    assert sync_corrections(calls, trailing_s=4e-3)[0] == pytest.approx(0.0)
+    # a bucket's members are fractions of one call: four quarters after 1 ms each pay a quarter of the wait at the
+    # gap their shares leave, the wait of one call at a 4 ms gap is not four calls' at 1 ms
+    quarters = sync_corrections([(1e-3, 0.25, link)] * 4, trailing_s=0.0)
+    gaps = [1e-3, 1e-3 * 0.75 + 1e-3, (1e-3 * 0.75 + 1e-3) * 0.75 + 1e-3]
+    gaps.append(gaps[-1] * 0.75 + 1e-3)
+    assert quarters == pytest.approx([0.25 * (link.sync_after(gap) - 5e-3) for gap in gaps])
+
+
+def _report_with_waits(short_s: float, long_s: float, pair_short_s: float | None = None) -> dict:
+    rows = [{"axis": 0, "op": "all_reduce", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)]
+    rows += [{"axis": -1, "group_size": 2, "op": "all_reduce", "bytes": b, "seconds": 0.5e-4 + b / 1e9} for b in (4096, 1 << 20)]
+    device = _figures(compute_phase_short_s=0.25e-3, compute_phase_s=2.8e-3, in_step_collective_short_s=short_s,
+                      in_step_collective_s=long_s, **{"in_step_collective_s:2": 6e-3})
+    if pair_short_s is not None:
+        device["in_step_collective_short_s:2"] = pair_short_s
+    return {"backend": "gloo", "memory_capacity_bytes": 1e9, "world_size": 4, "measurements": rows, "device": device}
+
+
+def test_the_calibration_prices_waits_by_gap_where_the_short_phases_wait_is_much_shorter():
+    from metadist.cost.calibrate import cluster_over_mesh
+
+    cluster = cluster_from_report(_report_with_waits(0.6e-3, 9e-3), Mesh((4,)))
+    link = cluster.link(0)
+    isolated = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 4, replace(link, sync_s=0.0, sync_by_gap=()))[0]
+    assert link.sync_s == pytest.approx(9e-3 - isolated)
+    assert [value for point in link.sync_by_gap for value in point] == pytest.approx([0.25e-3, 0.6e-3 - isolated, 2.8e-3, 9e-3 - isolated])
+    # a 2x2 mesh's pairs take their groups' figures, short and long
+    square = cluster_over_mesh(_report_with_waits(0.6e-3, 9e-3, pair_short_s=1e-3), Mesh((2, 2)))
+    pair = square.link(0)
+    pair_isolated = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 2, replace(pair, sync_s=0.0, sync_by_gap=()))[0]
+    assert [value for point in pair.sync_by_gap for value in point] == pytest.approx([0.25e-3, 1e-3 - pair_isolated, 2.8e-3, 6e-3 - pair_isolated])
+    # no short figure for the groups (or a calibration before version 18): every call pays sync_s
+    assert cluster_over_mesh(_report_with_waits(0.6e-3, 9e-3), Mesh((2, 2))).link(0).sync_by_gap == ()
+    # waits alike after either phase (2 processes: 0.09 and 0.22 ms) are no curve: no second search for noise
+    assert cluster_from_report(_report_with_waits(isolated + 0.09e-3, isolated + 0.22e-3), Mesh((4,))).link(0).sync_by_gap == ()
+    assert cluster_from_report(_report_with_waits(isolated + 3e-3, isolated + 5e-3), Mesh((4,))).link(0).sync_by_gap == ()
+
+
+def _gapped(cluster, short_gap: float, short_wait: float, long_gap: float, long_wait: float):
+    return replace(cluster, axis_links=tuple(replace(link, sync_s=long_wait, sync_by_gap=((short_gap, short_wait), (long_gap, long_wait)))
+                                             for link in cluster.axis_links))
+
+
+def test_the_estimate_prices_each_calls_wait_by_the_compute_in_node_order_before_it():
+    from metadist.solver.estimate import estimate
+
+    graph, rules = mlp_step(64, 32, 64, layers=3)
+    long_calls = _synced("cpu-gloo", Mesh((2, 2)), sync_s=5e-3, op_overhead_s=20e-6)
+    short_calls = _synced("cpu-gloo", Mesh((2, 2)), sync_s=0.5e-3, op_overhead_s=20e-6)
+    for kind in ("dp", "megatron"):
+        plan = baseline_plan(graph, rules, long_calls, kind)
+        assignment = SimpleNamespace(node_strategies=plan.node_strategies, input_shardings=plan.input_shardings)
+        lives = liveness(graph)
+
+        def step_s(cluster) -> float:
+            return estimate(graph, assignment, cluster, lives)["step_s"]
+
+        long_s, short_s = step_s(long_calls), step_s(short_calls)
+        assert long_s > short_s
+        # every gap before the curve's near end: each call waits short, as at a flat short wait; past a far end of a
+        # nanosecond, every call after some compute waits long (calls with nothing between them wait short)
+        assert step_s(_gapped(long_calls, 10.0, 0.5e-3, 20.0, 5e-3)) == pytest.approx(short_s)
+        assert short_s < step_s(_gapped(long_calls, 1e-9, 0.5e-3, 2e-9, 5e-3)) <= long_s
+        # gaps of about a node's compute: some calls follow others closely, some come after a stretch of compute
+        compute_s = estimate(graph, assignment, long_calls, lives)["compute_s"]
+        between = step_s(_gapped(long_calls, 0.0, 0.5e-3, compute_s / 4, 5e-3))
+        assert short_s < between < long_s
+
+
+def test_a_plan_on_waits_by_gap_is_the_cheaper_of_the_searches_at_long_and_short_waits():
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    cluster = _gapped(_synced("cpu-gloo", Mesh((2, 2)), sync_s=0.0, op_overhead_s=20e-6), 0.2e-3, 0.3e-3, 3e-3, 6e-3)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
+    report = plan.solver["short_waits"]
+    assert report["kept"] in ("long waits", "short waits") and report["step_s"] is not None
+    assert plan.estimate["step_s"] == pytest.approx(min(report["step_s"], report["step_s_at_long_waits"]))
+    # the estimate, not the objective, prices the plan: the baselines were compared, and say why
+    assert "wait by the compute before it" in plan.solver["baselines_reason"]
+    assert all(seconds is None or seconds >= plan.estimate["step_s"] * (1 - 1e-9) for seconds in plan.solver["baselines_checked"].values())
+    # a cluster without the curve searches once, as before
+    flat = plan_graph(graph, rules, _synced("cpu-gloo", Mesh((2, 2)), sync_s=6e-3, op_overhead_s=20e-6), memory_budget_bytes=float("inf"))
+    assert "short_waits" not in flat.solver
+
+
+def test_a_lowered_programs_calls_are_priced_by_the_compute_the_program_runs_before_each():
+    from metadist.cost.comm import program_comm
+    from metadist.lowering.program import LocalOp, lower
+
+    graph, rules = mlp_step(64, 32, 64, layers=3)
+    cluster = _synced("cpu-gloo", Mesh((2, 2)), sync_s=5e-3, op_overhead_s=20e-6)
+    plan = baseline_plan(graph, rules, cluster, "megatron")
+    program = lower(graph, plan, (0, 0), bucket_cap_bytes=0)
+    seconds = {node.name: 1e-4 * (index + 1) for index, node in enumerate(graph.nodes)}
+    gaps = program.compute_between_calls(seconds)
+    calls = list(program.collective_calls())
+    assert len(calls) >= 2 and len(gaps) == len(calls) + 1
+    ran = sum(seconds[item.node] for item in program.instructions if isinstance(item, LocalOp))
+    assert sum(gaps) == pytest.approx(ran)
+    flat = program_comm(program, cluster, seconds)["comm_s_by_axis"]
+    assert flat == pytest.approx(program_comm(program, cluster)["comm_s_by_axis"])  # no curve: every call pays sync_s
+    # a curve reaching its long wait at 1 ms: each call after at least that much compute pays it, the others less,
+    # by what sync_corrections says of the program's own gaps (the first after the last call's trailing compute)
+    curved = _gapped(cluster, 0.0, 0.5e-3, 1e-3, 5e-3)
+    priced = program_comm(program, curved, seconds)["comm_s_by_axis"]
+    expected = dict(flat)
+    carry = gaps[-1]
+    for (_, axis, _), before in zip(calls, gaps):
+        expected[cluster.mesh.axis_names[axis]] += curved.link(axis).sync_after(carry + before) - 5e-3
+        carry = 0.0
+    assert priced == pytest.approx(expected)
+    assert sum(priced.values()) < sum(flat.values())
+    # without the node seconds the program's calls pay sync_s each, as before
+    assert program_comm(program, curved)["comm_s_by_axis"] == pytest.approx(flat)

@@ -200,7 +200,8 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     prepared = Prepared(method, step=step, holders=(state, compiled, device_mesh), mesh_shape=tuple(ctx.mesh_shape),
                         build=build, note=expert_placement_note(planned.torch_step.graph, plan).lstrip("; "))
     device = planned.cluster.device
-    predicted = {**_program_estimate(plan.estimate, compiled.program, planned.cluster),
+    predicted = {**_program_estimate(plan.estimate, compiled.program, planned.cluster,
+                                     _node_seconds(planned.torch_step.graph, plan, planned.cluster)),
                  "nodes": len(planned.torch_step.graph.nodes),
                  "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
     routing = planned.torch_step.graph.routing
@@ -344,14 +345,23 @@ def _fsdp_units(model: Any) -> list[list[tuple[tuple[int, ...], int]]]:
     return units
 
 
-def _program_estimate(estimate: Mapping[str, Any], program: Any, cluster: Any) -> dict[str, Any]:
+def _node_seconds(graph: Any, plan: Any, cluster: Any) -> dict[str, float]:
+    """Each planned node's compute seconds on ``cluster`` under its strategy."""
+    from ..solver.estimate import node_compute_s
+
+    return {name: node_compute_s(graph, name, strategy, cluster) for name, strategy in plan.node_strategies.items()}
+
+
+def _program_estimate(estimate: Mapping[str, Any], program: Any, cluster: Any,
+                      node_seconds: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The plan's step as its lowered rank program runs it: the solver's compute, and the program's collective calls
     each priced once (:func:`metadist.cost.comm.program_comm`: a bucket pays one call's fixed cost, where the solver
-    shares it by an estimate); the solver's own figure kept as ``solver_step_s``."""
+    shares it by an estimate), each call's wait priced by the program's compute before it where the cluster measured
+    that (``node_seconds``); the solver's own figure kept as ``solver_step_s``."""
     from ..cost.comm import program_comm
 
     summary = _estimate_summary(estimate)
-    comm = program_comm(program, cluster)
+    comm = program_comm(program, cluster, node_seconds)
     comm_s = sum(comm["comm_s_by_axis"].values())
     return summary | {"step_s": summary["compute_s"] + comm_s, "comm_s": comm_s,
                       "comm_bytes": float(sum(comm["comm_bytes_by_axis"].values())),

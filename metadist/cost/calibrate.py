@@ -188,6 +188,32 @@ def collective_sync_s(in_step_s: float | None, link: Link, axis_size: int) -> fl
     return max(float(in_step_s) - isolated, 0.0)
 
 
+SYNC_GAP_MATTERS = 0.5
+"""A link's wait is priced by the gap before each call (:attr:`.cluster.Link.sync_by_gap`) only where the wait after
+the short compute phase is under this fraction of the wait after the long one, and shorter by at least
+:data:`SYNC_GAP_MIN_S`."""
+SYNC_GAP_MIN_S = 0.5e-3
+"""On 2 gloo processes the waits after the short and the long phase were 0.09 and 0.22 ms: a difference that moves no
+plan would only add a second search to every plan (on 4 processes sharing 2 cores: 0.3 and 5.6 ms among the 4,
+0.5 and 5.6 in pairs)."""
+
+
+def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: str = "") -> tuple[tuple[float, float], ...]:
+    """The (compute gap, wait) points of a link (:attr:`.cluster.Link.sync_by_gap`): the waits of the in-step
+    all-reduce after the short and the long compute phase (``in_step_collective_short_s`` and
+    ``in_step_collective_s``, with ``group`` ``:SIZE`` for groups of SIZE; :func:`collective_sync_s`), at the
+    phases' measured seconds. Empty without the figures (a calibration before version 18, one device) or where the
+    short wait is not under :data:`SYNC_GAP_MATTERS` of the long one and :data:`SYNC_GAP_MIN_S` shorter."""
+    needed = ("compute_phase_short_s", "compute_phase_s", f"in_step_collective_short_s{group}", f"in_step_collective_s{group}")
+    if axis_size <= 1 or any(figures.get(key) is None for key in needed):
+        return ()
+    short_gap, long_gap, short, long = (float(figures[key]) for key in needed)
+    short_wait, long_wait = collective_sync_s(short, link, axis_size), collective_sync_s(long, link, axis_size)
+    if not short_wait < SYNC_GAP_MATTERS * long_wait or long_wait - short_wait < SYNC_GAP_MIN_S or not short_gap < long_gap:
+        return ()
+    return ((short_gap, short_wait), (long_gap, long_wait))
+
+
 def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     """A cluster from the worker's JSON report."""
     links = []
@@ -196,6 +222,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         rows = [m for m in report["measurements"] if m["axis"] == axis]
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size),
+                             sync_by_gap=sync_by_gap(figures, link, size),
                              fsdp_unit_costs=fsdp_unit_costs(figures) if size == report.get("world_size") else ()))
     slowdown = sustained_slowdown(figures)
 
@@ -306,7 +333,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 17
+CALIBRATION_VERSION = 18
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -327,7 +354,9 @@ taken by a change since reverted (the elementwise curve to 32M elements); 16: co
 priced on the line through the sizes timed from 1 MiB up (:attr:`.cluster.Link.kind_rates_beyond`), the workers
 keeping freed host memory as the steps do, and the elementwise curve to 32M elements (version 15's point); 17: the
 in-step all-reduce timed after a compute phase of about a scheduler turn (3 ms, not 0.27: the other ranks are
-computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`). A cache of an older version
+computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`); 18: the in-step all-reduce
+timed after the short phase too, so that a call that follows another soon is priced at the short wait
+(:attr:`.cluster.Link.sync_by_gap`). A cache of an older version
 is measured again, not read."""
 
 
@@ -438,9 +467,10 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         link = fit_link(rows, size, f"{report['backend']}-group{size}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         in_step = report["device"].get(f"in_step_collective_s:{size}")
         if in_step is None:  # timed alone only: the whole link's wait
-            links.append(replace(link, sync_s=whole.sync_s))
+            links.append(replace(link, sync_s=whole.sync_s, sync_by_gap=whole.sync_by_gap))
         else:
-            links.append(replace(link, sync_s=collective_sync_s(in_step, link, size)))
+            links.append(replace(link, sync_s=collective_sync_s(in_step, link, size),
+                                 sync_by_gap=sync_by_gap(report["device"], link, size, f":{size}")))
     return Cluster(mesh=mesh, device=flat.device, axis_links=tuple(links), name=flat.name)
 
 

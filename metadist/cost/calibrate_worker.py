@@ -342,13 +342,14 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
     if any(other != keys for other in every):  # a reduction of lists of other lengths would abort the processes
         differing = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
         raise RuntimeError(f"internal: the calibration's ranks measured different figures ({', '.join(differing)})")
-    sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:")) else -1.0 for key in keys]
+    sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:")) else -1.0 for key in keys]
     values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
 
 
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s",
+                      "in_step_collective_short_s", "compute_phase_short_s",
                       "sustained_slowdown", "core_sharing", "dtensor_op_s"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every ``op_element_s:OP``; the others
 are rates (the smallest)."""
@@ -455,6 +456,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     - ``compute_phase_s``, ``in_step_collective_s``: a phase of tiny ops alone, and the same phase followed by a
       4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
       for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
+      ``compute_phase_short_s``, ``in_step_collective_short_s``: the same after a short phase
+      (:data:`IN_STEP_SHORT_PHASE_OPS`), a call that follows another soon.
     - ``dtensor_op_s``: what an op on a sharded DTensor costs beyond the same op on a plain tensor
       (:func:`_dtensor_op_seconds`), which torch's FSDP2 and tensor parallelism pay per op on their DTensor parameters.
     """
@@ -500,13 +503,17 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
                "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats)}
     if world > 1:
         figures.update(_fsdp_unit_seconds(world, repeats))
-        alone, extra = _in_step_collective(Collectives.from_device_mesh(_world_mesh(world)), 0, repeats)
+        whole = Collectives.from_device_mesh(_world_mesh(world))
+        alone, extra = _in_step_collective(whole, 0, repeats)
         figures.update(compute_phase_s=alone, in_step_collective_s=extra)
+        alone, extra = _in_step_collective(whole, 0, repeats, IN_STEP_SHORT_PHASE_OPS)
+        figures.update(compute_phase_short_s=alone, in_step_collective_short_s=extra)
         from torch.distributed.device_mesh import init_device_mesh
 
         for size in _group_sizes(world, [world]):  # the same, between groups of ``size`` (all groups at once)
             grouped = Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size)))
             figures[f"in_step_collective_s:{size}"] = _in_step_collective(grouped, 1, repeats)[1]
+            figures[f"in_step_collective_short_s:{size}"] = _in_step_collective(grouped, 1, repeats, IN_STEP_SHORT_PHASE_OPS)[1]
     return figures
 
 
@@ -630,9 +637,15 @@ priced a 2x2 plan's four calls between pairs at 0.6 ms each, and the plan that m
 processes the figure is the same after either phase (0.3-0.5 ms)."""
 
 
-def _in_step_collective(comm, axis: int, repeats: int) -> tuple[float, float]:
-    """(a phase of tiny ops alone, what a 4 KiB all-reduce on ``axis`` of ``comm`` adds after it), medians."""
-    phase = _tiny_op_chain(IN_STEP_PHASE_OPS)
+IN_STEP_SHORT_PHASE_OPS = 100
+"""Tiny ops in the short compute phase (about 0.27 ms): the in-step all-reduce timed after it too
+(``in_step_collective_short_s``) is the wait of a call that follows another soon (version 18,
+:attr:`.cluster.Link.sync_by_gap`)."""
+
+
+def _in_step_collective(comm, axis: int, repeats: int, ops: int = IN_STEP_PHASE_OPS) -> tuple[float, float]:
+    """(a phase of ``ops`` tiny ops alone, what a 4 KiB all-reduce on ``axis`` of ``comm`` adds after it), medians."""
+    phase = _tiny_op_chain(ops)
     tiny, small = torch.ones(8), torch.ones(1024)
 
     def computing() -> None:

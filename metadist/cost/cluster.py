@@ -50,7 +50,15 @@ class Link:
     sync_s: float = 0.0
     """What a collective costs beyond its own fixed cost when the step runs it between compute phases: the wait for
     the slower peer (processes sharing cores drift apart while they compute; measured by ``metadist calibrate``).
-    Paid per call, as the fixed cost is (a bucketed collective pays its share); 0 for the presets."""
+    Paid per call, as the fixed cost is (a bucketed collective pays its share); 0 for the presets. This is the
+    price the search puts on every call; where :attr:`sync_by_gap` is measured, an estimate of a whole step prices each
+    call's wait by the compute before it instead."""
+    sync_by_gap: tuple[tuple[float, float], ...] = ()
+    """Measured (compute seconds since the previous collective, wait seconds) points, gaps ascending: the wait grows
+    with the compute before a call (processes that share cores drift apart the longer they compute: on 4 gloo
+    processes sharing 2 cores a 4 KiB all-reduce between 2 of them waited about 0.5 ms after 0.25 ms of compute and
+    2 ms after 3 ms), so calls that follow each other wait little. :meth:`sync_after` reads it; empty for the presets
+    and where the wait did not depend on the gap (then every call pays :attr:`sync_s`)."""
     kind_costs: tuple[tuple[str, float, float], ...] = ()
     """Measured (collective kind, fixed seconds per call, bandwidth) of kinds whose algorithm the backend runs at its
     own speed (gloo's all-gather is several times slower per byte than its all-reduce); a kind listed here is priced
@@ -71,6 +79,10 @@ class Link:
     units are priced by their collectives alone."""
 
     def __post_init__(self) -> None:
+        points = tuple(sorted((float(gap), float(wait)) for gap, wait in self.sync_by_gap))
+        object.__setattr__(self, "sync_by_gap", points)
+        if any(gap < 0 or wait < 0 for gap, wait in points):
+            raise ClusterError(f"a link's sync by gap needs gaps and waits >= 0, got {points}")
         for name in ("kind_costs", "kind_rates_beyond", "fsdp_unit_costs"):
             costs = tuple(sorted((str(kind), float(fixed), float(rate)) for kind, fixed, rate in getattr(self, name)))
             object.__setattr__(self, name, costs)
@@ -78,6 +90,20 @@ class Link:
                 raise ClusterError(f"a link's {name.replace('_', ' ')} need fixed seconds >= 0 and a rate > 0, got {costs}")
         if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0 or not self.call_overhead_s >= 0 or not self.sync_s >= 0:
             raise ClusterError(f"a link needs bandwidth > 0 and latency, call overhead and sync cost >= 0, got {self}")
+
+    def sync_after(self, gap_s: float) -> float:
+        """The wait of a call issued ``gap_s`` seconds of compute after the previous collective: linear between the
+        measured points of :attr:`sync_by_gap`, the end point's wait beyond either end (a drift bounded by the
+        scheduler's turns); :attr:`sync_s` where none was measured."""
+        points = self.sync_by_gap
+        if not points:
+            return self.sync_s
+        if gap_s <= points[0][0]:
+            return points[0][1]
+        for (low, low_wait), (high, high_wait) in zip(points, points[1:]):
+            if gap_s < high:
+                return low_wait + (high_wait - low_wait) * (gap_s - low) / (high - low)
+        return points[-1][1]
 
     def kind_cost(self, kind: str) -> tuple[float, float] | None:
         """(fixed seconds, bandwidth) measured for collectives of ``kind``; None when it follows the alpha-beta figures."""

@@ -44,6 +44,12 @@ peer (processes that share cores drift apart while they compute), which the isol
 above (all ranks leaving a barrier together) never see; the calibration measures it by issuing a
 small all-reduce between compute phases as the runtime does.
 
+Where the link measured how the wait grows with the compute before a call (:attr:`.cluster.Link.sync_by_gap`), an
+estimate of a whole step prices each call's wait by the compute since the previous collective
+(:func:`sync_corrections`): calls that follow each other wait little, a call after a long stretch of compute waits
+the most. The search prices every call at ``sync_s``, a wait that grows with the gap and levels off is not linear in
+the number of calls.
+
 A collective the runtime runs in a bucket with others (:mod:`.bucketing`) pays only
 ``fixed_share`` of its fixed cost (the ``alpha`` terms, ``call_overhead_s`` and ``sync_s``); the
 bandwidth term is paid in full. All-to-alls are never bucketed.
@@ -53,7 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..ir import Shard, TensorSpec
 from .cluster import Cluster, Link
@@ -251,7 +257,29 @@ def halo_exchange_seconds(input_specs: Sequence[TensorSpec], strategy, cluster: 
     return seconds, sent
 
 
-def program_comm(program, cluster: Cluster) -> dict:
+def sync_corrections(calls: Sequence[tuple[float, float, Link]], trailing_s: float) -> list[float]:
+    """What each call's wait comes to beyond the ``sync_s`` its price holds, the wait priced by the compute before it.
+
+    ``calls``: in the order a step runs them, (compute seconds since the previous call, the call's share of its fixed
+    cost, its link). ``trailing_s``: the compute after the last call, which the next step's first call follows (the
+    step runs in a loop). A call's gap is the compute since the previous call; a bucketed collective's member (share
+    ``f`` < 1) is a fraction of one call: it pays ``f`` of the wait at its gap and leaves ``1 - f`` of that gap to the
+    next. A link without :attr:`.cluster.Link.sync_by_gap` gets 0 (its calls pay ``sync_s`` each).
+    """
+    corrections, carry = [], float(trailing_s)
+    for before, share, link in calls:
+        gap = carry + before
+        corrections.append(share * (link.sync_after(gap) - link.sync_s) if link.sync_by_gap else 0.0)
+        carry = gap * (1.0 - share)
+    return corrections
+
+
+def waits_by_gap(cluster: Cluster) -> bool:
+    """Whether any of the cluster's links prices a call's wait by the compute before it."""
+    return any(link.sync_by_gap for link in cluster.axis_links)
+
+
+def program_comm(program, cluster: Cluster, node_seconds: Mapping[str, float] | None = None) -> dict:
     """The communication of a lowered rank program (:class:`metadist.lowering.program.RankProgram`), priced call by
     call as it runs: a coalesced reshard is one call, paying its fixed cost once and its members' bytes; every other
     collective step (a halo exchange as the all-gather it is) one call of its own.
@@ -260,6 +288,10 @@ def program_comm(program, cluster: Cluster) -> dict:
     :mod:`.bucketing`); the lowered program knows the buckets, so this is the figure a step is predicted at. Returns
     ``comm_s_by_axis``, ``comm_bytes_by_axis`` (by mesh axis name) and ``collectives_by_kind`` (calls), as the
     solver's estimate does.
+
+    ``node_seconds`` (graph node name -> its compute seconds): with it, on a link that measured
+    :attr:`.cluster.Link.sync_by_gap`, each call's wait is priced by the compute the program runs since the previous
+    call (:func:`sync_corrections`).
     """
     names = cluster.mesh.axis_names
     seconds = {name: 0.0 for name in names}
@@ -271,4 +303,9 @@ def program_comm(program, cluster: Cluster) -> dict:
         seconds[names[axis]] += step_s
         sent_bytes[names[axis]] += sent
         calls[kind] = calls.get(kind, 0) + 1
+    if node_seconds is not None and waits_by_gap(cluster):
+        gaps = program.compute_between_calls(node_seconds)
+        ordered = [(before, 1.0, cluster.link(axis)) for before, (_, axis, _) in zip(gaps, program.collective_calls())]
+        for (_, axis, _), correction in zip(program.collective_calls(), sync_corrections(ordered, gaps[-1])):
+            seconds[names[axis]] += correction
     return {"comm_s_by_axis": seconds, "comm_bytes_by_axis": sent_bytes, "collectives_by_kind": dict(sorted(calls.items()))}

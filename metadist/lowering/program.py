@@ -20,7 +20,7 @@ draw) and keep the rank's slice: see :class:`RandomDraw`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 from ..ir import Graph, Mesh, Node, Partial, Replicate, Role, Shard, TensorSpec, ValueRef, format_sharding
 from ..ir.plan import Plan
@@ -212,6 +212,23 @@ class RankProgram:
                 for step in item.steps:
                     if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
                         yield step.kind, step.axis, step.comm_bytes
+
+    def compute_between_calls(self, node_seconds: Mapping[str, float]) -> list[float]:
+        """The compute before each of :meth:`collective_calls`, since the call before it, and last the compute after
+        the last call (``len(calls) + 1`` figures): each local op counts its node's ``node_seconds`` (0 if absent)."""
+        gaps, running = [], 0.0
+        for item in self.instructions:
+            if isinstance(item, LocalOp):
+                running += node_seconds.get(item.node, 0.0)
+            elif isinstance(item, CoalescedReshard):
+                gaps.append(running)
+                running = 0.0
+            elif isinstance(item, Reshard):
+                for step in item.steps:
+                    if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
+                        gaps.append(running)
+                        running = 0.0
+        return gaps + [running]
 
     def predicted_comm(self) -> dict[tuple[str, int], tuple[int, int]]:
         """Per (collective kind, mesh axis): (number of collective calls, bytes this rank sends), over

@@ -15,6 +15,7 @@ from ..cost import (
     OUTPUT_CONSUMER, Bucketing, Cluster, bucketing_for, collective_seconds, compute_seconds, halo_exchange_bytes, local_nbytes, node_work,
     reshard,
 )
+from ..cost.comm import sync_corrections, waits_by_gap
 from ..ir import Graph
 from ..ir.plan import NodeStrategy
 
@@ -60,7 +61,8 @@ class _ShardingNumbers:
 
 def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], bucketing: Bucketing,
            numbering: _ShardingNumbers | None = None):
-    """(spec, source sharding, needed sharding, fixed-cost share) of every resharding the runtime runs.
+    """(spec, source sharding, needed sharding, fixed-cost share, position) of every resharding the runtime runs,
+    ``position`` the index of the node that reads it first (the node count for a graph output).
 
     As the lowering does (:meth:`metadist.lowering.program._Lowering.use`), a value resharded to one sharding is
     resharded once, whoever reads it: later readers (and a graph output) that need that sharding share the result,
@@ -78,22 +80,25 @@ def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], 
         seen.add(key)
         return True
 
-    for node in graph.nodes:
+    for position, node in enumerate(graph.nodes):
         for name, needed in zip(node.input_names, assignment.node_strategies[node.name].inputs):
             if first(name, needed):
-                yield graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name)
+                yield graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name), position
     for graph_output in graph.outputs:
         src = produced[graph_output.name]
         dst = assignment.input_shardings[graph_output.replaces] if graph_output.replaces else final_output_sharding(src)
         if first(graph_output.name, dst):
-            yield graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER)
+            yield (graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER),
+                   len(graph.nodes))
 
 
 def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucketing: Bucketing | None = None,
-                  produced: Mapping[str, tuple] | None = None) -> dict[str, Any]:
+                  produced: Mapping[str, tuple] | None = None, node_seconds: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Seconds and bytes per mesh axis, and collectives by kind (bucketed edges: see :mod:`metadist.cost.bucketing`).
 
-    ``produced``: :func:`value_shardings` of the assignment, where the caller has it.
+    ``produced``: :func:`value_shardings` of the assignment, where the caller has it. ``node_seconds`` (node name ->
+    compute seconds): with it, on a link that measured :attr:`~metadist.cost.cluster.Link.sync_by_gap`, each call's
+    wait is priced by the compute in node order since the call before it (:func:`~metadist.cost.comm.sync_corrections`).
     """
     bucketing = bucketing_for(graph) if bucketing is None else bucketing
     produced = value_shardings(graph, assignment) if produced is None else produced
@@ -103,7 +108,9 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
     comm_bytes = {name: 0.0 for name in names}
     kinds: dict[str, int] = {}
     cache: dict[tuple, Any] = {}
-    for node in graph.nodes:
+    by_gap = node_seconds is not None and waits_by_gap(cluster)
+    calls: list[tuple[int, float, int]] = []  # (position, fixed-cost share, axis) of each call, for the waits by gap
+    for position, node in enumerate(graph.nodes):
         strategy = assignment.node_strategies[node.name]
         for axis, halo in enumerate(strategy.halos):
             for name, sharding in zip(node.input_names, strategy.inputs) if halo else ():
@@ -113,7 +120,9 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
                     comm_s[names[axis]] += seconds
                     comm_bytes[names[axis]] += sent
                     kinds["halo_exchange"] = kinds.get("halo_exchange", 0) + 1
-    for spec, src, dst, share in _edges(graph, assignment, produced, bucketing, number):
+                    if by_gap:
+                        calls.append((position, 1.0, axis))
+    for spec, src, dst, share, position in _edges(graph, assignment, produced, bucketing, number):
         key = (spec, number(src), number(dst), share)
         if key not in cache:
             cache[key] = reshard(spec, src, dst, cluster, share)
@@ -121,7 +130,30 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
             comm_s[names[collective.axis]] += collective.comm_s
             comm_bytes[names[collective.axis]] += collective.comm_bytes
             kinds[collective.kind] = kinds.get(collective.kind, 0) + 1
+            if by_gap:
+                calls.append((position, 1.0 if collective.kind == "all_to_all" else share, collective.axis))
+    if by_gap and calls:
+        _add_waits_by_gap(graph, cluster, node_seconds, calls, comm_s)
     return {"comm_s_by_axis": comm_s, "comm_bytes_by_axis": comm_bytes, "collectives_by_kind": dict(sorted(kinds.items()))}
+
+
+def _add_waits_by_gap(graph: Graph, cluster: Cluster, node_seconds: Mapping[str, float],
+                      calls: list[tuple[int, float, int]], comm_s: dict[str, float]) -> None:
+    """Add to ``comm_s`` what each call's wait comes to, priced by the compute before it, beyond its ``sync_s``.
+
+    A call at position ``p`` runs before node ``p``'s compute (a graph output's after all of it); calls are taken in
+    that order (stable: halos before the node's other inputs)."""
+    before = [0.0]
+    for node in graph.nodes:
+        before.append(before[-1] + node_seconds.get(node.name, 0.0))
+    calls.sort(key=lambda call: call[0])
+    ordered, last = [], 0
+    for position, share, axis in calls:
+        ordered.append((before[position] - before[last], share, cluster.link(axis)))
+        last = position
+    names = cluster.mesh.axis_names
+    for (_, _, axis), correction in zip(calls, sync_corrections(ordered, before[-1] - before[last])):
+        comm_s[names[axis]] += correction
 
 
 def node_compute_s(graph: Graph, node_name: str, strategy: NodeStrategy, cluster: Cluster) -> float:
@@ -149,7 +181,13 @@ def node_facts(graph: Graph) -> NodeFacts:
 
 
 def total_compute_s(graph: Graph, assignment: Assignment, cluster: Cluster, facts: NodeFacts | None = None) -> float:
-    """The sum of :func:`node_compute_s` over the assignment's nodes, each distinct (strategy, work, specs) priced once.
+    """The sum of :func:`node_compute_seconds`."""
+    return sum(node_compute_seconds(graph, assignment, cluster, facts).values())
+
+
+def node_compute_seconds(graph: Graph, assignment: Assignment, cluster: Cluster,
+                         facts: NodeFacts | None = None) -> dict[str, float]:
+    """:func:`node_compute_s` of each of the assignment's nodes, each distinct (strategy, work, specs) priced once.
 
     A deep model's layers repeat the same nodes under the same strategies, so most nodes hit: the key is the
     strategy object's identity (the assignment holds every strategy for the call, so an identity is never reused
@@ -157,15 +195,15 @@ def total_compute_s(graph: Graph, assignment: Assignment, cluster: Cluster, fact
     """
     facts = node_facts(graph) if facts is None else facts
     seconds: dict[tuple, float] = {}
-    total = 0.0
+    by_node = {}
     for name, strategy in assignment.node_strategies.items():
         signature, work, in_specs, out_specs = facts[name]
         key = (id(strategy), signature)
         found = seconds.get(key)
         if found is None:
             found = seconds[key] = compute_seconds(work, in_specs, out_specs, strategy, cluster.mesh, cluster.device)
-        total += found
-    return total
+        by_node[name] = found
+    return by_node
 
 
 def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives, produced: Mapping[str, tuple] | None = None) -> dict[str, Any]:
@@ -201,9 +239,10 @@ def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, buck
 
     ``facts``: :func:`node_facts` of ``graph``, for a caller that estimates many assignments of one graph.
     """
-    compute_s = total_compute_s(graph, assignment, cluster, facts)
+    node_seconds = node_compute_seconds(graph, assignment, cluster, facts)
+    compute_s = sum(node_seconds.values())
     produced = value_shardings(graph, assignment)
-    comm = communication(graph, assignment, cluster, bucketing, produced)
+    comm = communication(graph, assignment, cluster, bucketing, produced, node_seconds)
     comm_s = sum(comm["comm_s_by_axis"].values())
     result: dict[str, Any] = {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s}
     result.update(comm)

@@ -34,6 +34,7 @@ from ..cost import (
 from ..ir import Graph, Node, Partial, Replicate, Rule, ValueRef
 from ..ir.plan import NodeStrategy
 from ..cost.bucketing import CAST_OPS, update_start
+from ..cost.comm import waits_by_gap
 from .precision import FORBIDDEN_S, reduces_partial, restricted_values
 from .shrink import follower_choice, tie_inputs, tie_nodes
 from .recompute import CLONE_SUFFIX, loss_position
@@ -758,5 +759,5 @@ def build_problem(
         excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
         stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values()),
                **_uneven_stats(sets.values())},
-        bucketing=bucketing, charges=charges, prices_as_estimate=exact,
+        bucketing=bucketing, charges=charges, prices_as_estimate=exact and not waits_by_gap(cluster),
     )
