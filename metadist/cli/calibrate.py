@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     for column in ("axis", "size", "per call", "in-step wait", "latency per step", "bandwidth", "reduce-scatter"):
         table.add_column(column, justify="right")
     for name, size, link in zip(mesh.axis_names, mesh.shape, cluster.axis_links):
-        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.sync_s * 1e6:.1f} us", f"{link.latency_s * 1e6:.1f} us",
+        wait = f"{link.sync_s * 1e6:.1f} us" + "".join(f" ({short * 1e6:.1f} us after {gap * 1e3:.2f} ms)" for gap, short in link.sync_by_gap[:-1])
+        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", wait, f"{link.latency_s * 1e6:.1f} us",
                       f"{human_bytes(link.bandwidth_bytes_per_s)}/s", "as all-reduce" if link.reduce_scatter_as_all_reduce else "ring")
     console.print(table)
     device = cluster.device
