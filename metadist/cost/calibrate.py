@@ -333,7 +333,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 18
+CALIBRATION_VERSION = 19
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -356,7 +356,9 @@ keeping freed host memory as the steps do, and the elementwise curve to 32M elem
 in-step all-reduce timed after a compute phase of about a scheduler turn (3 ms, not 0.27: the other ranks are
 computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`); 18: the in-step all-reduce
 timed after the short phase too, so that a call that follows another soon is priced at the short wait
-(:attr:`.cluster.Link.sync_by_gap`). A cache of an older version
+(:attr:`.cluster.Link.sync_by_gap`); 19: each in-step figure's samples taken in three rounds over all of them
+(:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches). A cache of
+an older version
 is measured again, not read."""
 
 

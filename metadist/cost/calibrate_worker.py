@@ -463,7 +463,6 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     """
     import metadist
     from metadist.ir import Mesh
-    from metadist.runtime.collectives import Collectives
     from metadist.solver.estimate import node_compute_s
 
     from .cluster import Cluster, Device, Link
@@ -503,18 +502,39 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
                "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats)}
     if world > 1:
         figures.update(_fsdp_unit_seconds(world, repeats))
-        whole = Collectives.from_device_mesh(_world_mesh(world))
-        alone, extra = _in_step_collective(whole, 0, repeats)
-        figures.update(compute_phase_s=alone, in_step_collective_s=extra)
-        alone, extra = _in_step_collective(whole, 0, repeats, IN_STEP_SHORT_PHASE_OPS)
-        figures.update(compute_phase_short_s=alone, in_step_collective_short_s=extra)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        for size in _group_sizes(world, [world]):  # the same, between groups of ``size`` (all groups at once)
-            grouped = Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size)))
-            figures[f"in_step_collective_s:{size}"] = _in_step_collective(grouped, 1, repeats)[1]
-            figures[f"in_step_collective_short_s:{size}"] = _in_step_collective(grouped, 1, repeats, IN_STEP_SHORT_PHASE_OPS)[1]
+        figures.update(_in_step_figures(world, repeats))
     return figures
+
+
+IN_STEP_ROUNDS = 3
+"""Rounds of the in-step all-reduce's timings (:func:`_in_step_figures`): every figure takes ``repeats`` samples in
+each, so its samples span the whole measurement, not one stretch of it."""
+
+
+def _in_step_figures(world: int, repeats: int) -> dict[str, float]:
+    """``compute_phase_s``, ``in_step_collective_s`` and their ``_short`` twins among all the processes, and
+    ``in_step_collective_s:SIZE`` and ``in_step_collective_short_s:SIZE`` between groups of each smaller size (all
+    groups at once): medians of samples taken in :data:`IN_STEP_ROUNDS` rounds over every figure in turn.
+
+    On 4 processes sharing 2 cores, a pair's figure timed in one stretch moved 2x between three stretches of one
+    launch (after the short phase 0.9, 1.9 and 1.6 ms; after the long one 4.1, 6.5 and 7.4): which processes share a
+    core changes as the scheduler moves them, and a step meets every such turn."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from metadist.runtime.collectives import Collectives
+
+    timed = [(Collectives.from_device_mesh(_world_mesh(world)), 0, "")]
+    timed += [(Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size))), 1, f":{size}")
+              for size in _group_sizes(world, [world])]
+    samples: dict[str, list[float]] = {}
+    for _ in range(IN_STEP_ROUNDS):
+        for comm, axis, group in timed:
+            for ops, short in ((IN_STEP_PHASE_OPS, ""), (IN_STEP_SHORT_PHASE_OPS, "_short")):
+                alone, extra = _in_step_collective(comm, axis, repeats, ops)
+                samples.setdefault(f"in_step_collective{short}_s{group}", []).extend(extra)
+                if not group:
+                    samples.setdefault(f"compute_phase{short}_s", []).extend(alone)
+    return {key: max(statistics.median(values), 0.0) for key, values in samples.items()}
 
 
 DTENSOR_OPS = 8
@@ -643,8 +663,9 @@ IN_STEP_SHORT_PHASE_OPS = 100
 :attr:`.cluster.Link.sync_by_gap`)."""
 
 
-def _in_step_collective(comm, axis: int, repeats: int, ops: int = IN_STEP_PHASE_OPS) -> tuple[float, float]:
-    """(a phase of ``ops`` tiny ops alone, what a 4 KiB all-reduce on ``axis`` of ``comm`` adds after it), medians."""
+def _in_step_collective(comm, axis: int, repeats: int, ops: int = IN_STEP_PHASE_OPS) -> tuple[list[float], list[float]]:
+    """``repeats`` samples of (a phase of ``ops`` tiny ops alone, what a 4 KiB all-reduce on ``axis`` of ``comm`` adds
+    after it)."""
     phase = _tiny_op_chain(ops)
     tiny, small = torch.ones(8), torch.ones(1024)
 
@@ -659,13 +680,13 @@ def _in_step_collective(comm, axis: int, repeats: int, ops: int = IN_STEP_PHASE_
         computing_then_reducing()
     dist.barrier()
     alone, extra = [], []
-    # interleaved, so that a change of the machine's load hits both alike; 63 pairs (~0.5 s): the difference is
-    # a few tenths of a millisecond to a few, and its median over 45 pairs of the old short phase moved 2x between two
-    # calibrations
-    for _ in range(3 * repeats):
+    # interleaved, so that a change of the machine's load hits both alike; 3 rounds of 21 pairs (~0.5 s) a figure: the
+    # difference is a few tenths of a millisecond to a few, and its median over 45 pairs of the old short phase moved
+    # 2x between two calibrations
+    for _ in range(repeats):
         alone.append(median_seconds(computing, 1))
         extra.append(median_seconds(computing_then_reducing, 1) - alone[-1])
-    return statistics.median(alone), max(statistics.median(extra), 0.0)
+    return alone, extra
 
 
 def _world_mesh(world: int):
