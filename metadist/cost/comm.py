@@ -297,7 +297,8 @@ def program_comm(program, cluster: Cluster, node_seconds: Mapping[str, float] | 
     seconds = {name: 0.0 for name in names}
     sent_bytes = {name: 0.0 for name in names}
     calls: dict[str, int] = {}
-    for kind, axis, ring_bytes in program.collective_calls():
+    ordered = list(program.collective_calls())
+    for kind, axis, ring_bytes in ordered:
         priced_kind = "all_gather" if kind == "halo_exchange" else kind
         step_s, sent = priced_collective(priced_kind, ring_bytes, cluster.mesh.shape[axis], cluster.link(axis))
         seconds[names[axis]] += step_s
@@ -305,7 +306,7 @@ def program_comm(program, cluster: Cluster, node_seconds: Mapping[str, float] | 
         calls[kind] = calls.get(kind, 0) + 1
     if node_seconds is not None and waits_by_gap(cluster):
         gaps = program.compute_between_calls(node_seconds)
-        ordered = [(before, 1.0, cluster.link(axis)) for before, (_, axis, _) in zip(gaps, program.collective_calls())]
-        for (_, axis, _), correction in zip(program.collective_calls(), sync_corrections(ordered, gaps[-1])):
+        waits = [(before, 1.0, cluster.link(axis)) for before, (_, axis, _) in zip(gaps, ordered)]
+        for (_, axis, _), correction in zip(ordered, sync_corrections(waits, gaps[-1])):
             seconds[names[axis]] += correction
     return {"comm_s_by_axis": seconds, "comm_bytes_by_axis": sent_bytes, "collectives_by_kind": dict(sorted(calls.items()))}

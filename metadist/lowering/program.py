@@ -205,30 +205,34 @@ class RankProgram:
         A coalesced reshard is one call; its bytes are its members' (each by the ring convention). A halo exchange
         is a call of kind ``halo_exchange``.
         """
-        for item in self.instructions:
-            if isinstance(item, CoalescedReshard):
-                yield item.kind, item.axis, item.comm_bytes
-            elif isinstance(item, Reshard):
-                for step in item.steps:
-                    if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
-                        yield step.kind, step.axis, step.comm_bytes
+        for _, call in self._ops_and_calls():
+            if call is not None:
+                yield call
 
     def compute_between_calls(self, node_seconds: Mapping[str, float]) -> list[float]:
         """The compute before each of :meth:`collective_calls`, since the call before it, and last the compute after
         the last call (``len(calls) + 1`` figures): each local op counts its node's ``node_seconds`` (0 if absent)."""
         gaps, running = [], 0.0
-        for item in self.instructions:
-            if isinstance(item, LocalOp):
-                running += node_seconds.get(item.node, 0.0)
-            elif isinstance(item, CoalescedReshard):
+        for node, call in self._ops_and_calls():
+            if call is None:
+                running += node_seconds.get(node, 0.0)
+            else:
                 gaps.append(running)
                 running = 0.0
+        return gaps + [running]
+
+    def _ops_and_calls(self) -> Iterator[tuple[str | None, tuple[str, int, int] | None]]:
+        """In program order: (a local op's node, None) for each local op, (None, (kind, axis, bytes sent)) for each
+        collective call (:meth:`collective_calls`)."""
+        for item in self.instructions:
+            if isinstance(item, LocalOp):
+                yield item.node, None
+            elif isinstance(item, CoalescedReshard):
+                yield None, (item.kind, item.axis, item.comm_bytes)
             elif isinstance(item, Reshard):
                 for step in item.steps:
                     if step.kind in COLLECTIVE_KINDS or step.kind == "halo_exchange":
-                        gaps.append(running)
-                        running = 0.0
-        return gaps + [running]
+                        yield None, (step.kind, step.axis, step.comm_bytes)
 
     def predicted_comm(self) -> dict[tuple[str, int], tuple[int, int]]:
         """Per (collective kind, mesh axis): (number of collective calls, bytes this rank sends), over
