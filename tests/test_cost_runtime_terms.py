@@ -406,3 +406,51 @@ def test_a_lowered_programs_calls_are_priced_by_the_compute_the_program_runs_bef
     assert sum(priced.values()) < sum(flat.values())
     # without the node seconds the program's calls pay sync_s each, as before
     assert program_comm(program, curved)["comm_s_by_axis"] == pytest.approx(flat)
+
+
+def test_torchs_calls_wait_by_the_compute_spread_evenly_between_them():
+    """Where a link measured the wait by the compute before a call, torch's DDP, FSDP2 and TP calls each wait at
+    ``compute_s / calls`` (their calls spread evenly over the step, :func:`spread_waits`): TP's many calls on a tiny
+    model pay short waits, DDP's one bucket the long one; FSDP2's measured units hold their own waits."""
+    from metadist.solver.baselines import spread_waits
+
+    graph, rules = mlp_step(64, 32, 64, layers=2)
+    reduces = [8192.0] * 6
+    flat = _synced("cpu-gloo", Mesh((2, 2)), sync_s=5e-3, op_overhead_s=30e-6)
+    flat = replace(flat, device=replace(flat.device, eager_op_overhead_s=10e-6))
+    megatron = baseline_plan(graph, rules, flat, "megatron")
+    units = fsdp_unit_bytes([[((32, 64), 4)], [((64,), 4)]], 2)
+    long_only = torch_tp_estimate(graph, flat, megatron.estimate, reduces, 0, units, layout_plan=megatron)
+    calls = sum(long_only["collectives_by_kind"].values())
+    assert calls == 6 + 2 * 2
+    gap = long_only["compute_s"] / calls
+    # a curve from 1 ms at no gap to 5 ms at 4 gaps: the wait at one gap is 2 ms, 3 ms less than the long one
+    curved = _gapped(flat, 0.0, 1e-3, 4 * gap, 5e-3)
+    priced = torch_tp_estimate(graph, curved, megatron.estimate, reduces, 0, units, layout_plan=megatron)
+    assert priced["comm_s"] == pytest.approx(long_only["comm_s"] - calls * 3e-3)
+    assert priced["compute_s"] == pytest.approx(long_only["compute_s"])
+    assert priced["step_s"] == pytest.approx(priced["compute_s"] + priced["comm_s"])
+    # fewer calls over the same compute wait longer: with the last 4 reduces gone, 6 calls at 1.67 gaps
+    fewer = torch_tp_estimate(graph, curved, megatron.estimate, reduces[:2], 0, units, layout_plan=megatron)
+    fewer_long = torch_tp_estimate(graph, flat, megatron.estimate, reduces[:2], 0, units, layout_plan=megatron)
+    assert fewer["comm_s"] == pytest.approx(fewer_long["comm_s"] - 6 * (5e-3 - (1e-3 + 4e-3 * (calls / 6) / 4)))
+    # DDP's one bucket follows the whole step's compute: the long wait, as without the curve
+    one_axis = _gapped(_synced("cpu-gloo", Mesh((4,)), sync_s=5e-3, op_overhead_s=30e-6), 0.0, 1e-3, 4 * gap, 5e-3)
+    dp = baseline_plan(graph, rules, one_axis, "dp")
+    assert torch_ddp_estimate(graph, one_axis, dp.estimate, dp_plan=dp)["comm_s"] == pytest.approx(
+        torch_ddp_estimate(graph, replace(one_axis, axis_links=(replace(one_axis.link(0), sync_by_gap=()),)), dp.estimate,
+                           dp_plan=dp)["comm_s"])
+    # FSDP2's measured units: no call repriced; unmeasured, each of its 4 calls (2 units) is
+    zero = baseline_plan(graph, rules, one_axis, "zero2")
+    measured = replace(one_axis, axis_links=(replace(one_axis.link(0), fsdp_unit_costs=(("zero2", 2e-3, 1e9),)),))
+    assert torch_fsdp_estimate(graph, measured, zero.estimate, units, False, layout_plan=zero)["comm_s"] == pytest.approx(
+        sum(2e-3 + size / 1e9 for size in units))
+    flat_zero = replace(one_axis, axis_links=(replace(one_axis.link(0), sync_by_gap=()),))
+    plain = torch_fsdp_estimate(graph, flat_zero, zero.estimate, units, False, layout_plan=zero)
+    assert plain["collectives_by_kind"] == {"all_gather": 2, "reduce_scatter": 2}
+    zero_curved = _gapped(flat_zero, 0.0, 1e-3, plain["compute_s"], 5e-3)  # one call a quarter of the way: 2 ms
+    spread = torch_fsdp_estimate(graph, zero_curved, zero.estimate, units, False, layout_plan=zero)
+    assert spread["comm_s"] == pytest.approx(plain["comm_s"] - 4 * 3e-3)
+    assert spread_waits(1.0, 3, []) == 0.0
+    with pytest.raises(ValueError, match="waiting calls"):
+        spread_waits(1.0, 1, [one_axis.link(0)] * 2)

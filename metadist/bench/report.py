@@ -400,7 +400,9 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "output and per column-wise input gradient, FSDP2 per unit on the data-parallel axis of tp-dp. FSDP2 "
                   "and TP also pay the calibrated cost of each op they run on a DTensor (the optimizer's, and TP's "
                   "parallel modules'; calibration version 13; older result files price the Megatron rows as the "
-                  "solver's Megatron layout, with MetaDist's collectives).", "",
+                  "solver's Megatron layout, with MetaDist's collectives). Where the calibration measured a call's "
+                  "wait by the compute before it, MetaDist's calls wait by the compute their program runs before each, "
+                  "torch's by the step's compute spread evenly between its calls.", "",
                   _ratio_summary(prediction), "",
                   markdown_table(("model", "method", "predicted ms", "measured ms", "measured/predicted",
                                   "predicted wire/rank", "measured wire/rank", "measured/predicted"), prediction), ""]

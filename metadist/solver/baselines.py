@@ -130,7 +130,8 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     of ``bucket_cap_bytes`` (25 MiB), one all-reduce per bucket over all ranks, and nothing else. So: the compute
     of the ``dp`` layout (``dp_estimate``, its nodes split as DDP splits them) at the eager per-node cost
     (:attr:`metadist.cost.cluster.Device.eager_op_overhead_s`, where the calibration measured one) instead of the
-    runtime's, plus the buckets' all-reduces, each paying its full fixed and in-step cost. No overlap with the
+    runtime's, plus the buckets' all-reduces, each paying its full fixed cost and its in-step wait at the compute
+    before it, the calls spread evenly over the step (:func:`spread_waits`). No overlap with the
     backward is assumed (on CPU processes sharing cores, gloo's threads take cores the backward needs).
     With ``dp_plan`` (the ``dp`` layout's plan), random ops are priced as DDP draws them, each rank its own share
     (:func:`eager_random_discount`); the layout's estimate prices them whole, as MetaDist's runtime draws them.
@@ -148,6 +149,7 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
         piece = min(cap, grad_bytes - bucket * cap)
         seconds, sent = collective_seconds("all_reduce", piece, world, cluster.link(0))
         comm_s, comm_bytes = comm_s + seconds, comm_bytes + sent
+    comm_s += spread_waits(compute_s, buckets, [cluster.link(0)] * buckets)
     return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
             "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
             "memory_bytes_peak": dp_estimate.get("memory_bytes_peak"),
@@ -177,12 +179,14 @@ def _eager_compute_s(graph: Graph, cluster: Cluster, layout_estimate: Any, layou
     return compute_s
 
 
-def _fsdp_comm(unit_bytes: Sequence[float], world: int, link: Any, reshard_after_forward: bool) -> tuple[float, float, dict[str, int]]:
-    """(seconds, bytes sent, calls by kind) of FSDP2's collectives over ``world`` ranks on ``link``: per unit, its
-    all-gathers (two when ``reshard_after_forward``) and one reduce-scatter. Where the link carries a measured cost of
-    FSDP2's units (:attr:`~metadist.cost.cluster.Link.fsdp_unit_costs`), a unit takes that: its collectives with
-    FSDP2's copies into and out of their buffers and its hooks, as they ran together; elsewhere each collective pays
-    its full fixed and in-step cost and nothing else is priced."""
+def _fsdp_comm(unit_bytes: Sequence[float], world: int, link: Any, reshard_after_forward: bool) -> tuple[float, float, dict[str, int], int]:
+    """(seconds, bytes sent, calls by kind, calls priced one by one) of FSDP2's collectives over ``world`` ranks on
+    ``link``: per unit, its all-gathers (two when ``reshard_after_forward``) and one reduce-scatter. Where the link
+    carries a measured cost of FSDP2's units (:attr:`~metadist.cost.cluster.Link.fsdp_unit_costs`), a unit takes that:
+    its collectives with FSDP2's copies into and out of their buffers and its hooks, as they ran together, their waits
+    included (no call priced one by one); elsewhere each collective pays its full fixed cost and in-step wait
+    (``sync_s``, which the caller reprices by the compute before it, :func:`spread_waits`) and nothing else is
+    priced."""
     from ..cost.comm import collective_seconds
 
     gathers = 2 if reshard_after_forward else 1
@@ -196,7 +200,27 @@ def _fsdp_comm(unit_bytes: Sequence[float], world: int, link: Any, reshard_after
             unit_s, comm_bytes = unit_s + count * seconds, comm_bytes + count * sent
             calls[kind] = calls.get(kind, 0) + count
         comm_s += unit_s if measured is None else measured[0] + size / measured[1]
-    return comm_s, comm_bytes, calls
+    return comm_s, comm_bytes, calls, 0 if measured is not None else sum(calls.values())
+
+
+def spread_waits(compute_s: float, calls: int, waiting: Sequence[Any]) -> float:
+    """What the in-step waits of torch's collectives come to beyond the ``sync_s`` their prices hold, with the step's
+    ``calls`` collective calls spread evenly over its ``compute_s`` (each follows ``compute_s / calls`` of compute):
+    ``waiting`` holds the link of each call priced at ``sync_s`` (the others, FSDP2's measured units, hold their waits).
+
+    Where a link measured :attr:`~metadist.cost.cluster.Link.sync_by_gap` a call that follows little compute waits
+    less (:func:`metadist.cost.comm.sync_corrections`); MetaDist's rows are priced by the gaps of their lowered program,
+    torch's calls sit where its hooks put them (TP's at each row-wise linear's output and column-wise linear's input
+    gradient, FSDP2's at each unit's start and end, DDP's as buckets fill), which the estimate does not follow call by
+    call: spread evenly, a step of many calls pays short waits, one of a few calls the long one."""
+    from ..cost.comm import sync_corrections
+
+    if calls < len(waiting):
+        raise ValueError(f"spread_waits: {len(waiting)} waiting calls of only {calls} calls")
+    if not waiting:
+        return 0.0
+    gap = compute_s / calls
+    return sum(sync_corrections([(gap, 1.0, link) for link in waiting], 0.0))
 
 
 def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, unit_bytes: Sequence[float],
@@ -208,7 +232,8 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
     Each unit (``unit_bytes``: its padded flat parameter, :func:`fsdp_unit_bytes`) all-gathers its parameters before
     its forward, again before its backward when ``reshard_after_forward`` (ZeRO-3; ZeRO-2 keeps them gathered), and
     reduce-scatters its gradients after its backward (carried out as an all-reduce of the whole gradient on gloo):
-    one call each, paying its full fixed and in-step cost; on a link that carries FSDP2's measured unit costs
+    one call each, paying its full fixed cost and its in-step wait spread over the step (:func:`spread_waits`); on a
+    link that carries FSDP2's measured unit costs
     (calibration version 14), a unit costs what FSDP2 was measured to add per unit of its bytes instead, copies and
     hooks included (:func:`_fsdp_comm`). Compute: the layout's (``layout_estimate``, the update on
     each rank's shard) at the eager per-node cost, random ops drawn per rank (``layout_plan``), as
@@ -218,7 +243,8 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
         raise ValueError(f"torch_fsdp_estimate prices FSDP over all ranks on one axis; got mesh {cluster.mesh}")
     dtensor_s = dtensor_seconds(cluster, dtensor_ops)
     compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan) + dtensor_s
-    comm_s, comm_bytes, calls = _fsdp_comm(unit_bytes, cluster.mesh.size, cluster.link(0), reshard_after_forward)
+    comm_s, comm_bytes, calls, waiting = _fsdp_comm(unit_bytes, cluster.mesh.size, cluster.link(0), reshard_after_forward)
+    comm_s += spread_waits(compute_s, sum(calls.values()), [cluster.link(0)] * waiting)
     return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s, "dtensor_s": dtensor_s,
             "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
             "memory_bytes_peak": layout_estimate.get("memory_bytes_peak"),
@@ -242,7 +268,8 @@ def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, acti
 
     torch's TP all-reduces activations where a row-wise linear ends (forward) and where a column-wise linear's input
     gradient is summed (backward), one blocking call each, between compute phases: ``activation_reduces`` holds each
-    call's bytes per rank, each priced as one all-reduce paying its full fixed and in-step cost. FSDP2's units
+    call's bytes per rank, each priced as one all-reduce paying its full fixed cost and its in-step wait at the compute
+    before it, the step's calls spread evenly over its compute (:func:`spread_waits`). FSDP2's units
     (``fsdp_unit_bytes``, of the parameters as TP leaves them on a rank) are priced as :func:`torch_fsdp_estimate`
     prices them. Compute: the layout's (``layout_estimate``) at the eager per-node cost, random ops drawn per rank
     (``layout_plan``), plus ``dtensor_ops`` ops on DTensors (the parallel modules' forward and backward, and the
@@ -259,18 +286,23 @@ def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, acti
     compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan) + dtensor_s
     bytes_by_axis = {name: 0.0 for name in mesh.axis_names}
     calls: dict[str, int] = {}
+    waiting = []
     comm_s = 0.0
     for size in (size for size in activation_reduces if size > 0 and mesh.shape[tp_axis] > 1):
         seconds, sent = collective_seconds("all_reduce", size, mesh.shape[tp_axis], cluster.link(tp_axis))
         comm_s += seconds
         bytes_by_axis[mesh.axis_names[tp_axis]] += sent
         calls["all_reduce"] = calls.get("all_reduce", 0) + 1
+        waiting.append(cluster.link(tp_axis))
     if mesh.ndim == 2:
-        seconds, sent, fsdp_calls = _fsdp_comm(fsdp_unit_bytes, mesh.shape[0], cluster.link(0), reshard_after_forward=False)
+        seconds, sent, fsdp_calls, fsdp_waiting = _fsdp_comm(fsdp_unit_bytes, mesh.shape[0], cluster.link(0),
+                                                              reshard_after_forward=False)
         comm_s += seconds
         bytes_by_axis[mesh.axis_names[0]] += sent
         for kind, count in fsdp_calls.items():
             calls[kind] = calls.get(kind, 0) + count
+        waiting += [cluster.link(0)] * fsdp_waiting
+    comm_s += spread_waits(compute_s, sum(calls.values()), waiting)
     return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s, "dtensor_s": dtensor_s,
             "comm_bytes_by_axis": bytes_by_axis, "memory_bytes_peak": layout_estimate.get("memory_bytes_peak"),
             "collectives_by_kind": calls, "cluster": cluster.name}
