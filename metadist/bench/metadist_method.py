@@ -264,7 +264,7 @@ def expert_placement_note(graph: Any, plan: Any) -> str:
 def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[str, Any]]:
     """The cost model's estimate of each solver baseline, keyed by the measured method it stands for. torch's DDP
     and FSDP2 (``ddp``, ``zero2``, ``zero3``) are priced as they run, over all ranks on one axis (as the harness runs
-    them whatever the mesh), and torch's TP (``tp``, ``tp-dp``) on the mesh, the solver's layout's own estimate kept
+    them whatever the mesh; their layouts solved on that axis too), and torch's TP (``tp``, ``tp-dp``) on the mesh, the solver's layout's own estimate kept
     as ``solver_layout_step_s``."""
     from ..solver.baselines import fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate
     from .torch_counts import eager_optimizer_ops
@@ -274,15 +274,18 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
     optimizer = workload.optimizer(model.parameters())
     planned = compile_plan_inputs(workload, ctx, api, model, optimizer)
     two_d = len(ctx.mesh_shape) == 2
-    flat = planned.cluster if not two_d else _cluster_over(api["Mesh"]((ctx.world_size,)), ctx, api)
     graph = planned.torch_step.graph
+    # DDP and FSDP2 run over all ranks on one axis whatever the mesh: their layouts are solved there too (on 2x2 the
+    # solver's dp layout replicated mixtral-mini's experts across an axis, ~60 ms of compute DDP never runs)
+    flat = planned.cluster if not two_d else _with_step_matmuls(_cluster_over(api["Mesh"]((ctx.world_size,)), ctx, api),
+                                                               graph, ctx)
     units = fsdp_unit_bytes(_fsdp_units(model), ctx.world_size)
     fsdp_dtensor_ops = eager_optimizer_ops(workload, model.parameters())  # FSDP2's update runs on DTensors: both ZeRO rows
     predictions: dict[str, dict[str, Any]] = {}
     for kind, (one_d_name, two_d_name) in PREDICTED_AS.items():
         name = two_d_name if two_d else one_d_name
         try:
-            plan = api["baseline_plan"](graph, planned.rules, planned.cluster, kind)
+            plan = api["baseline_plan"](graph, planned.rules, flat if kind in ("dp", "zero2", "zero3") else planned.cluster, kind)
         except ValueError as err:  # the solver's errors are ValueErrors with a message
             predictions[name] = {"error": str(err)}
             continue
