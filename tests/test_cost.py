@@ -479,28 +479,6 @@ def _collective_rows(alpha: float, bandwidth: float, overhead: float, n: int, re
     return rows
 
 
-def test_a_small_message_never_costs_more_than_a_larger_one_of_its_kind():
-    """A pair's 4 KiB all-reduce timed at 1.69 ms where its 64 KiB one took 0.58 (4 gloo processes sharing 2 cores):
-    the scheduler's noise, not the call's cost. The fixed cost is the least time of the smallest message and every
-    larger one, so the in-step wait beyond the call's price (``collective_sync_s``) is not cut by the noise."""
-    from metadist.cost.calibrate import IN_STEP_COLLECTIVE_BYTES, collective_sync_s
-
-    mib = 1 << 20
-    times = {4096: 1.69e-3, 65536: 0.58e-3, mib: 0.8e-3, 32 * mib: 30e-3}
-    rows = [{"axis": 0, "group_size": 2, "op": "all_reduce", "bytes": nbytes, "seconds": seconds}
-            for nbytes, seconds in times.items()]
-    link = fit_link(rows, 2, "pair")
-    sent = 4096.0  # an all-reduce of 4 KiB between 2 sends 2 * (1/2) of it
-    fixed, bandwidth = link.kind_cost("all_reduce")
-    assert fixed + sent / bandwidth == pytest.approx(0.58e-3)
-    assert collective_sync_s(2.0e-3, link, 2) == pytest.approx(2.0e-3 - collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 2, link)[0])
-    assert collective_sync_s(2.0e-3, link, 2) > 1.3e-3
-    # in order, nothing moves
-    ordered = fit_link([dict(row, seconds=seconds) for row, seconds in zip(rows, (0.5e-3, 0.58e-3, 0.8e-3, 30e-3))], 2, "pair")
-    fixed, bandwidth = ordered.kind_cost("all_reduce")
-    assert fixed + sent / bandwidth == pytest.approx(0.5e-3)
-
-
 def test_fit_link_recovers_alpha_and_beta():
     truth_alpha, truth_bandwidth = 20e-6, 1e9
     link = fit_link(_collective_rows(truth_alpha, truth_bandwidth, 0.0, 4, False), 4, "test")
@@ -682,43 +660,3 @@ def test_data_parallel_estimate_prices_gradient_reductions_as_buckets():
     fixed_gather = link.call_overhead_s + 3 * link.latency_s
     saved = (1 - 1 / 6) * (fixed_all_reduce + fixed_gather) + (1 - 0.99) * fixed_all_reduce
     assert alone["comm_s"] - bucketed["comm_s"] == pytest.approx(saved)
-
-
-def _turns_session() -> tuple[list[tuple[float, float]], dict[str, float]]:
-    import time
-
-    import torch.distributed as dist
-
-    from metadist.cost.calibrate_worker import _on_common_sizes, _one_rank_at_a_time
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-
-    def measure() -> tuple[float, float, dict[str, float]]:
-        started = time.perf_counter()
-        time.sleep(0.05)
-        # rank 1 stopped its float32 curve a size earlier (its first size over 50 ms came sooner)
-        figures = {"matmul_curve:float32:100": 1e9 + rank, "peak_flops_per_s": 2e9 + rank, "other": float(rank)}
-        if rank == 0:
-            figures["matmul_curve:float32:800"] = 3e9
-            figures["peak_flops_per_s"] = 3e9
-        return started, time.perf_counter(), figures
-
-    started, ended, figures = _one_rank_at_a_time(measure)
-    spans = [None] * dist.get_world_size()
-    dist.all_gather_object(spans, (started, ended))
-    return spans, _on_common_sizes(figures)
-
-
-@pytest.mark.distributed
-def test_the_roofline_is_timed_one_cpu_rank_at_a_time_on_the_sizes_every_rank_timed():
-    """Calibration version 20: timed on 4 processes at once, the float32 matmul rate moved 70-157 GFLOP/s between
-    calibrations (a timed call ran alone on a core or shared it); each rank now times it while the others wait, and
-    the ranks' figures are reduced on the sizes all of them timed, each dtype's peak at the largest of those."""
-    from test_runtime_support import run_distributed
-
-    results = run_distributed(_turns_session, 2, timeout_s=120)
-    (first_start, first_end), (second_start, second_end) = results[0][0]
-    assert first_end <= second_start or second_end <= first_start  # the turns never overlap
-    for rank, (_, figures) in enumerate(results):
-        assert figures == {"matmul_curve:float32:100": 1e9 + rank, "peak_flops_per_s": 1e9 + rank, "other": float(rank)}

@@ -98,9 +98,7 @@ def _kind_lines(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> 
     largest, where none is that large): the fixed cost is the smallest message's time less its bytes' share, and each
     stretch between two of those messages moves its bytes at their difference over their times' difference. The
     sizes between the smallest and a mebibyte, where the fixed cost dominates and the timings are noisiest, do not
-    bend it, and a message's time is at most any larger message's: on 4 gloo processes sharing 2 cores a pair's
-    4 KiB all-reduce took 1.69 ms where its 64 KiB one took 0.58, and the fixed cost through the 4 KiB point left the
-    in-step wait beyond it (:func:`collective_sync_s`) at 0.2 ms where back-to-back calls ran ~1.8 ms each. Each kind asked for has its own line, its bytes those of the collective the backend carries out
+    bend it. Each kind asked for has its own line, its bytes those of the collective the backend carries out
     (``wire``): a reduce-scatter that gloo runs as an all-reduce sends that all-reduce's bytes, but copies its input
     and its piece too, and ran 1.2-1.4x the all-reduce's time at 32 MiB on this project's machine (2 and 4
     processes), so it is priced by its own measurements, not the all-reduce's.
@@ -116,8 +114,6 @@ def _kind_lines(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> 
         if len(best) < 2:
             continue
         sizes = sorted(best)
-        for smaller, larger in zip(reversed(sizes[:-1]), reversed(sizes[1:])):  # no message costs more than a larger one
-            best[smaller] = min(best[smaller], (best[larger][0], best[smaller][1]))
         through = [sent for sent in sizes[1:] if best[sent][1] >= LINE_BUFFER_BYTES] or sizes[-1:]
         line = [sizes[0], *through]
         costs.append((kind, *_through_ends({sent: best[sent][0] for sent in line[:2]})))
@@ -337,7 +333,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 20
+CALIBRATION_VERSION = 19
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -361,9 +357,7 @@ in-step all-reduce timed after a compute phase of about a scheduler turn (3 ms, 
 computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`); 18: the in-step all-reduce
 timed after the short phase too, so that a call that follows another soon is priced at the short wait
 (:attr:`.cluster.Link.sync_by_gap`); 19: each in-step figure's samples taken in three rounds over all of them
-(:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches); 20: the
-roofline figures (matmul and elementwise curves, per-element ops) timed one CPU process at a time
-(:func:`.calibrate_worker._one_rank_at_a_time`: timed at once they moved 2-3x between calibrations). A cache of
+(:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches). A cache of
 an older version
 is measured again, not read."""
 

@@ -196,9 +196,8 @@ def _element_seconds(device: torch.device) -> dict[str, float]:
             for name, call in _element_ops(device).items()}
 
 
-def _roofline(device: torch.device, together: bool = True) -> dict[str, float]:
-    """This rank's rates and its fixed seconds per op (on GPUs every rank at once, on CPUs one rank at a time,
-    :func:`_one_rank_at_a_time`).
+def _roofline(device: torch.device) -> dict[str, float]:
+    """This rank's rates and its fixed seconds per op (run on every rank at once).
 
     For float32 and each of :data:`NARROW_DTYPES`: the FLOP/s of square matmuls at each of :data:`MATMUL_SIZES`
     (``matmul_curve:DTYPE:FLOPS``, keyed by one matmul's FLOPs) and the bytes/s of an add at each of
@@ -214,13 +213,13 @@ def _roofline(device: torch.device, together: bool = True) -> dict[str, float]:
     for dtype in (torch.float32, *NARROW_DTYPES):
         name = str(dtype).removeprefix("torch.")
         suffix = "" if dtype == torch.float32 else f"_{name}"
-        for flops, rate in _matmul_curve(device, dtype, together=together):
+        for flops, rate in _matmul_curve(device, dtype):
             figures[f"matmul_curve:{name}:{flops}"] = figures[f"peak_flops_per_s{suffix}"] = rate
         for nbytes, rate in _elementwise_curve(device, dtype):
             figures[f"elementwise_curve:{name}:{nbytes}"] = figures[f"memory_bandwidth_bytes_per_s{suffix}"] = rate
         figures[f"matmul_stream_bytes_per_s{suffix}"] = _matmul_stream(device, dtype)
         for layout in MATMUL_LAYOUTS if dtype in NARROW_DTYPES else ():
-            for flops, rate in _matmul_curve(device, dtype, layout, together=together):
+            for flops, rate in _matmul_curve(device, dtype, layout):
                 figures[f"matmul_curve:{name}@{layout}:{flops}"] = rate
             figures[f"matmul_stream_bytes_per_s_{name}@{layout}"] = _matmul_stream(device, dtype, layout)
     chain = _tiny_op_chain(400)  # a GraphModule of aten ops, as a captured step's rank program runs them
@@ -234,39 +233,6 @@ def _roofline(device: torch.device, together: bool = True) -> dict[str, float]:
     figures["op_overhead_s"] = 1.0 / _rate(400, tiny_ops, 5)
     figures.update(_element_seconds(device))
     return figures
-
-
-def _one_rank_at_a_time(measure):
-    """``measure()`` on each rank in turn while the others wait at a barrier (a CPU figure): this rank's result.
-
-    Timed on every rank at once, 4 processes sharing 2 cores measured float32 matmuls at 70 to 157 GFLOP/s and an add
-    of 768 KiB at 29 to 101 GB/s in four calibrations in a row: a timed call of a few milliseconds ran alone on a core
-    or shared it, as the scheduler placed the processes. One at a time, a rank has a core (165-188 GFLOP/s for either
-    of two processes started together on this project's 2-core machine), and the sustained slowdown, at least the
-    cores' sharing, scales the rates as a step's ranks share the cores (:func:`metadist.cost.calibrate.sustained_slowdown`)."""
-    result = None
-    for turn in range(dist.get_world_size()):
-        dist.barrier()
-        if dist.get_rank() == turn:
-            result = measure()
-    dist.barrier()
-    return result
-
-
-def _on_common_sizes(figures: dict[str, float]) -> dict[str, float]:
-    """``figures`` (:func:`_roofline`'s, timed by each rank alone) on the matmul sizes every rank timed, each dtype's
-    peak FLOP/s the rate at the largest of them: alone, each rank stopped its curves at its own first size over 50 ms,
-    and the ranks' figures are reduced key by key (:func:`_slowest`)."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(figures))
-    common = set.intersection(*(set(keys) for keys in every))
-    kept = {key: value for key, value in figures.items() if key in common}
-    for dtype in (torch.float32, *NARROW_DTYPES):
-        name = str(dtype).removeprefix("torch.")
-        sizes = [int(key.rsplit(":", 1)[1]) for key in kept if key.startswith(f"matmul_curve:{name}:")]
-        if sizes:
-            kept["peak_flops_per_s" + ("" if dtype == torch.float32 else f"_{name}")] = kept[f"matmul_curve:{name}:{max(sizes)}"]
-    return kept
 
 
 def _synchronizer(device: torch.device):
@@ -304,11 +270,10 @@ def _operand(rows: int, columns: int, device: torch.device, dtype: torch.dtype, 
     return torch.randn(*lead, rows, columns, device=device).to(dtype)
 
 
-def _matmul_curve(device: torch.device, dtype: torch.dtype, layout: str = "", together: bool = True) -> list[tuple[int, float]]:
+def _matmul_curve(device: torch.device, dtype: torch.dtype, layout: str = "") -> list[tuple[int, float]]:
     """(FLOPs of one matmul, FLOP/s) at each of :data:`MATMUL_SIZES`, up to the first that takes over 50 ms (a CPU
     without float16 kernels runs them at a few GFLOP/s); ``layout`` ``"nt"`` or ``"tn"``: the second or the first
-    operand a transposed view (:data:`MATMUL_LAYOUTS`). ``together``: every rank times it at once and all stop at the
-    same size; else this rank alone decides (:func:`_on_common_sizes` keeps the sizes every rank timed)."""
+    operand a transposed view (:data:`MATMUL_LAYOUTS`)."""
     def operands(n: int):
         return (_operand(n, n, device, dtype, layout == "tn"), _operand(n, n, device, dtype, layout == "nt"))
 
@@ -319,7 +284,7 @@ def _matmul_curve(device: torch.device, dtype: torch.dtype, layout: str = "", to
         a, b = operands(n)
         seconds = _per_call_seconds(lambda: torch.mm(a, b), device)
         curve.append((2 * n**3, _net_rate(2 * n**3, seconds, floor)))
-        if (_any_rank(seconds > 0.05, device) if together else seconds > 0.05):  # figures are reduced key by key
+        if _any_rank(seconds > 0.05, device):  # every rank stops at the same size: their figures are reduced key by key
             break
     return curve
 
@@ -763,10 +728,7 @@ def main(argv: list[str] | None = None) -> None:
                     break
                 measurements.append({"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": seconds})
     dist.barrier()
-    if device.type == "cpu":  # one rank at a time: timed at once, the ranks' share of the cores moved the figures 2-3x
-        roofline = _slowest(_on_common_sizes(_one_rank_at_a_time(lambda: _roofline(device, together=False))), device)
-    else:
-        roofline = _slowest(_roofline(device), device)
+    roofline = _slowest(_roofline(device), device)
     if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
         roofline.update(_slowest(_runtime_figures(roofline), device))
     if dist.get_rank() == 0:
