@@ -264,8 +264,8 @@ def expert_placement_note(graph: Any, plan: Any) -> str:
 def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[str, Any]]:
     """The cost model's estimate of each solver baseline, keyed by the measured method it stands for. torch's DDP
     and FSDP2 (``ddp``, ``zero2``, ``zero3``) are priced as they run, over all ranks on one axis (as the harness runs
-    them whatever the mesh; their layouts solved on that axis too), and torch's TP (``tp``, ``tp-dp``) on the mesh, the solver's layout's own estimate kept
-    as ``solver_layout_step_s``."""
+    them whatever the mesh; their layouts solved on that axis too), and torch's TP (``tp``, ``tp-dp``) on the mesh,
+    the solver's layout's own estimate kept as ``solver_layout_step_s``."""
     from ..solver.baselines import fsdp_unit_bytes, torch_ddp_estimate, torch_fsdp_estimate
     from .torch_counts import eager_optimizer_ops
 
@@ -285,7 +285,8 @@ def predict_baselines(workload: Workload, ctx: RankContext) -> dict[str, dict[st
     for kind, (one_d_name, two_d_name) in PREDICTED_AS.items():
         name = two_d_name if two_d else one_d_name
         try:
-            plan = api["baseline_plan"](graph, planned.rules, flat if kind in ("dp", "zero2", "zero3") else planned.cluster, kind)
+            over = flat if kind in ("dp", "zero2", "zero3") else planned.cluster
+            plan = api["baseline_plan"](graph, planned.rules, over, kind)
         except ValueError as err:  # the solver's errors are ValueErrors with a message
             predictions[name] = {"error": str(err)}
             continue
