@@ -436,19 +436,18 @@ def test_torchs_calls_wait_by_the_compute_spread_evenly_between_them():
     assert fewer["comm_s"] == pytest.approx(fewer_long["comm_s"] - 6 * (5e-3 - (1e-3 + 4e-3 * (calls / 6) / 4)))
     # DDP's one bucket follows the whole step's compute: the long wait, as without the curve
     one_axis = _gapped(_synced("cpu-gloo", Mesh((4,)), sync_s=5e-3, op_overhead_s=30e-6), 0.0, 1e-3, 4 * gap, 5e-3)
+    one_axis_long = replace(one_axis, axis_links=(replace(one_axis.link(0), sync_by_gap=()),))  # every call at the long wait
     dp = baseline_plan(graph, rules, one_axis, "dp")
     assert torch_ddp_estimate(graph, one_axis, dp.estimate, dp_plan=dp)["comm_s"] == pytest.approx(
-        torch_ddp_estimate(graph, replace(one_axis, axis_links=(replace(one_axis.link(0), sync_by_gap=()),)), dp.estimate,
-                           dp_plan=dp)["comm_s"])
+        torch_ddp_estimate(graph, one_axis_long, dp.estimate, dp_plan=dp)["comm_s"])
     # FSDP2's measured units: no call repriced; unmeasured, each of its 4 calls (2 units) is
     zero = baseline_plan(graph, rules, one_axis, "zero2")
     measured = replace(one_axis, axis_links=(replace(one_axis.link(0), fsdp_unit_costs=(("zero2", 2e-3, 1e9),)),))
     assert torch_fsdp_estimate(graph, measured, zero.estimate, units, False, layout_plan=zero)["comm_s"] == pytest.approx(
         sum(2e-3 + size / 1e9 for size in units))
-    flat_zero = replace(one_axis, axis_links=(replace(one_axis.link(0), sync_by_gap=()),))
-    plain = torch_fsdp_estimate(graph, flat_zero, zero.estimate, units, False, layout_plan=zero)
+    plain = torch_fsdp_estimate(graph, one_axis_long, zero.estimate, units, False, layout_plan=zero)
     assert plain["collectives_by_kind"] == {"all_gather": 2, "reduce_scatter": 2}
-    zero_curved = _gapped(flat_zero, 0.0, 1e-3, plain["compute_s"], 5e-3)  # one call a quarter of the way: 2 ms
+    zero_curved = _gapped(one_axis_long, 0.0, 1e-3, plain["compute_s"], 5e-3)  # one call a quarter of the way: 2 ms
     spread = torch_fsdp_estimate(graph, zero_curved, zero.estimate, units, False, layout_plan=zero)
     assert spread["comm_s"] == pytest.approx(plain["comm_s"] - 4 * 3e-3)
     assert spread_waits(1.0, 3, []) == 0.0
