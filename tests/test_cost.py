@@ -556,6 +556,12 @@ def test_calibrate_measures_gloo_on_two_processes():
         assert device.bandwidth_bytes_per_s(dtype) == pytest.approx(report["device"][f"memory_bandwidth_bytes_per_s_{dtype}"] / slowdown)
         assert device.flops_per_s(dtype) > 0 and device.bandwidth_bytes_per_s(dtype) > 0
     assert Cluster.from_dict(json.loads(cluster.to_json())) == cluster
+    # the in-step all-reduce after a long compute phase too, where each rank has a core (version 21)
+    long_phase = {"compute_phase_long_s", "in_step_collective_long_s"}
+    if report["device"]["core_sharing"] <= 1:
+        assert long_phase <= set(report["device"]) and report["device"]["compute_phase_long_s"] > report["device"]["compute_phase_s"]
+    else:
+        assert not long_phase & set(report["device"])
     # a curve per dtype, every point measured; the narrow dtypes' matmuls also in either transposed layout (version 10)
     layouts = {"bfloat16@nt", "bfloat16@tn", "float16@nt", "float16@tn"}
     for kind, names in ((device.matmul_curves, layouts), (device.elementwise_curves, set())):

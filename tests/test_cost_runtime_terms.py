@@ -321,6 +321,46 @@ def test_the_calibration_prices_waits_by_gap_where_the_short_phases_wait_is_much
     assert cluster_from_report(_report_with_waits(isolated + 3e-3, isolated + 5e-3), Mesh((4,))).link(0).sync_by_gap == ()
 
 
+def test_ranks_with_a_core_each_take_the_wait_after_a_long_stretch_of_compute_as_a_third_point():
+    """Version 21: 2 gloo processes on 2 cores waited alike after 0.24 and 2.7 ms of compute (0.31 and 0.45 ms) and
+    longer after 9 ms (1.2): the two short points alone were no curve, so every call paid the 2.7 ms point's wait,
+    where a 12-layer GPT's calls after 5-40 ms of compute were blocked ~1.5 ms beyond their price."""
+    def report(long_phase_s: float | None, long_wait_s: float | None, **device) -> dict:
+        report = _report_with_waits(0.31e-3, 0.45e-3)
+        report["world_size"] = 2
+        if long_phase_s is not None:
+            report["device"].update(compute_phase_long_s=long_phase_s, in_step_collective_long_s=long_wait_s)
+        report["device"].update(device)
+        return report
+
+    flat = cluster_from_report(report(None, None), Mesh((2,))).link(0)
+    assert flat.sync_by_gap == ()  # alike after either short phase: every call pays sync_s
+    link = cluster_from_report(report(9e-3, 1.2e-3), Mesh((2,))).link(0)
+    isolated = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 2, replace(link, sync_s=0.0, sync_by_gap=()))[0]
+    assert link.sync_s == pytest.approx(0.45e-3 - isolated)  # the search's flat price is still the 2.8 ms point's
+    assert [value for point in link.sync_by_gap for value in point] == pytest.approx(
+        [0.25e-3, 0.31e-3 - isolated, 2.8e-3, 0.45e-3 - isolated, 9e-3, 1.2e-3 - isolated])
+    assert link.sync_after(20e-3) == pytest.approx(1.2e-3 - isolated)  # beyond the last point, its wait
+    assert link.sync_after(5.9e-3) == pytest.approx((0.45e-3 + 1.2e-3) / 2 - isolated)
+    # a long phase that waited less than the shorter one (noise) waits as long as it: the drift does not shrink
+    noisy = cluster_from_report(report(9e-3, 0.1e-3, in_step_collective_short_s=0.1e-3, in_step_collective_s=2e-3), Mesh((2,)))
+    assert noisy.link(0).sync_by_gap[-1] == pytest.approx((9e-3, 2e-3 - isolated))
+    # a long phase no longer than the 2.8 ms one is no point of its own
+    assert cluster_from_report(report(2e-3, 1.2e-3), Mesh((2,))).link(0).sync_by_gap == ()
+
+
+def test_the_long_phase_is_timed_only_where_every_rank_has_a_core():
+    from metadist.cost.calibrate_worker import (IN_STEP_LONG_PHASE_OPS, IN_STEP_PHASE_OPS, IN_STEP_SHORT_PHASE_OPS,
+                                                _in_step_phases)
+
+    assert _in_step_phases(1.0, 15) == ((IN_STEP_PHASE_OPS, "", 15), (IN_STEP_SHORT_PHASE_OPS, "_short", 15),
+                                        (IN_STEP_LONG_PHASE_OPS, "_long", 5))
+    assert _in_step_phases(0.5, 4)[-1] == (IN_STEP_LONG_PHASE_OPS, "_long", 3)
+    # 4 processes on 2 cores: the scheduler's turns bound the drift, and the long phase's wait (23 ms a call after
+    # 11 ms) is not what a step's calls wait
+    assert _in_step_phases(2.0, 15) == ((IN_STEP_PHASE_OPS, "", 15), (IN_STEP_SHORT_PHASE_OPS, "_short", 15))
+
+
 def _gapped(cluster, short_gap: float, short_wait: float, long_gap: float, long_wait: float):
     return replace(cluster, axis_links=tuple(replace(link, sync_s=long_wait, sync_by_gap=((short_gap, short_wait), (long_gap, long_wait)))
                                              for link in cluster.axis_links))

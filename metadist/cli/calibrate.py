@@ -52,12 +52,17 @@ def run(args: argparse.Namespace) -> int:
         table_path(settings_from_env().cache_dir).unlink(missing_ok=True)
     console = Console()
     table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}")
-    for column in ("axis", "size", "per call", "in-step wait", "right after a call", "latency per step", "bandwidth", "reduce-scatter"):
+    for column in ("axis", "size", "per call", "in-step wait", "right after a call", "after long compute", "latency per step",
+                   "bandwidth", "reduce-scatter"):
         table.add_column(column, justify="right")
     for name, size, link in zip(mesh.axis_names, mesh.shape, cluster.axis_links):
-        # the wait of a call soon after another (Link.sync_by_gap), where it differs from the in-step wait
+        # the wait of a call soon after another and after a long stretch of compute (Link.sync_by_gap, its first and
+        # third points), where they differ from the in-step wait
         soon = f"{link.sync_after(0.0) * 1e6:.1f} us" if link.sync_by_gap else "the same"
-        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.sync_s * 1e6:.1f} us", soon, f"{link.latency_s * 1e6:.1f} us",
+        late = (f"{link.sync_by_gap[-1][1] * 1e6:.1f} us after {link.sync_by_gap[-1][0] * 1e3:.1f} ms"
+                if len(link.sync_by_gap) > 2 else "the same")
+        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.sync_s * 1e6:.1f} us", soon, late,
+                      f"{link.latency_s * 1e6:.1f} us",
                       f"{human_bytes(link.bandwidth_bytes_per_s)}/s", "as all-reduce" if link.reduce_scatter_as_all_reduce else "ring")
     console.print(table)
     device = cluster.device

@@ -202,16 +202,23 @@ def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: s
     """The (compute gap, wait) points of a link (:attr:`.cluster.Link.sync_by_gap`): the waits of the in-step
     all-reduce after the short and the long compute phase (``in_step_collective_short_s`` and
     ``in_step_collective_s``, with ``group`` ``:SIZE`` for groups of SIZE; :func:`collective_sync_s`), at the
-    phases' measured seconds. Empty without the figures (a calibration before version 18, one device) or where the
-    short wait is not under :data:`SYNC_GAP_MATTERS` of the long one and :data:`SYNC_GAP_MIN_S` shorter."""
+    phases' measured seconds, and after the longest phase where it was timed (``in_step_collective_long_s``, version
+    21: ranks with a core each drift apart over a model's stretches of compute), its wait at least the long phase's.
+    Empty without the figures (a calibration before version 18, one device) or where the short wait is not under
+    :data:`SYNC_GAP_MATTERS` of the last point's and :data:`SYNC_GAP_MIN_S` shorter."""
     needed = ("compute_phase_short_s", "compute_phase_s", f"in_step_collective_short_s{group}", f"in_step_collective_s{group}")
     if axis_size <= 1 or any(figures.get(key) is None for key in needed):
         return ()
     short_gap, long_gap, short, long = (float(figures[key]) for key in needed)
     short_wait, long_wait = collective_sync_s(short, link, axis_size), collective_sync_s(long, link, axis_size)
-    if not short_wait < SYNC_GAP_MATTERS * long_wait or long_wait - short_wait < SYNC_GAP_MIN_S or not short_gap < long_gap:
+    points = [(short_gap, short_wait), (long_gap, long_wait)]
+    longest = (figures.get("compute_phase_long_s"), figures.get(f"in_step_collective_long_s{group}"))
+    if None not in longest and float(longest[0]) > long_gap:
+        points.append((float(longest[0]), max(collective_sync_s(float(longest[1]), link, axis_size), long_wait)))
+    last_wait = points[-1][1]
+    if not short_wait < SYNC_GAP_MATTERS * last_wait or last_wait - short_wait < SYNC_GAP_MIN_S or not short_gap < long_gap:
         return ()
-    return ((short_gap, short_wait), (long_gap, long_wait))
+    return tuple(points)
 
 
 def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
@@ -333,7 +340,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 19
+CALIBRATION_VERSION = 21
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -357,9 +364,11 @@ in-step all-reduce timed after a compute phase of about a scheduler turn (3 ms, 
 computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`); 18: the in-step all-reduce
 timed after the short phase too, so that a call that follows another soon is priced at the short wait
 (:attr:`.cluster.Link.sync_by_gap`); 19: each in-step figure's samples taken in three rounds over all of them
-(:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches). A cache of
-an older version
-is measured again, not read."""
+(:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches); 20: a
+change tried and reverted (roofline timed one process at a time), whose caches are not read; 21: the in-step
+all-reduce timed after a long compute phase too where every rank has a core (:data:`.calibrate_worker.
+IN_STEP_LONG_PHASE_OPS`, a third point of :attr:`.cluster.Link.sync_by_gap`). A cache of an older version is measured
+again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -342,14 +342,15 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
     if any(other != keys for other in every):  # a reduction of lists of other lengths would abort the processes
         differing = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
         raise RuntimeError(f"internal: the calibration's ranks measured different figures ({', '.join(differing)})")
-    sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:")) else -1.0 for key in keys]
+    sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:",
+                                                      "in_step_collective_long_s:")) else -1.0 for key in keys]
     values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
 
 
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s",
-                      "in_step_collective_short_s", "compute_phase_short_s",
+                      "in_step_collective_short_s", "compute_phase_short_s", "in_step_collective_long_s", "compute_phase_long_s",
                       "sustained_slowdown", "core_sharing", "dtensor_op_s"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every ``op_element_s:OP``; the others
 are rates (the smallest)."""
@@ -457,7 +458,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
       4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
       for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
       ``compute_phase_short_s``, ``in_step_collective_short_s``: the same after a short phase
-      (:data:`IN_STEP_SHORT_PHASE_OPS`), a call that follows another soon.
+      (:data:`IN_STEP_SHORT_PHASE_OPS`), a call that follows another soon; ``compute_phase_long_s``,
+      ``in_step_collective_long_s``: after a long one (:data:`IN_STEP_LONG_PHASE_OPS`), where ranks do not share cores.
     - ``dtensor_op_s``: what an op on a sharded DTensor costs beyond the same op on a plain tensor
       (:func:`_dtensor_op_seconds`), which torch's FSDP2 and tensor parallelism pay per op on their DTensor parameters.
     """
@@ -512,9 +514,10 @@ each, so its samples span the whole measurement, not one stretch of it."""
 
 
 def _in_step_figures(world: int, repeats: int) -> dict[str, float]:
-    """``compute_phase_s``, ``in_step_collective_s`` and their ``_short`` twins among all the processes, and
-    ``in_step_collective_s:SIZE`` and ``in_step_collective_short_s:SIZE`` between groups of each smaller size (all
-    groups at once): medians of samples taken in :data:`IN_STEP_ROUNDS` rounds over every figure in turn.
+    """``compute_phase_s``, ``in_step_collective_s`` and their ``_short`` twins (and ``_long`` where the ranks do not
+    share cores, :func:`_in_step_phases`) among all the processes, and ``in_step_collective_s:SIZE`` and its twins
+    between groups of each smaller size (all groups at once): medians of samples taken in :data:`IN_STEP_ROUNDS`
+    rounds over every figure in turn.
 
     On 4 processes sharing 2 cores, a pair's figure timed in one stretch moved 2x between three stretches of one
     launch (after the short phase 0.9, 1.9 and 1.6 ms; after the long one 4.1, 6.5 and 7.4): which processes share a
@@ -526,14 +529,17 @@ def _in_step_figures(world: int, repeats: int) -> dict[str, float]:
     timed = [(Collectives.from_device_mesh(_world_mesh(world)), 0, "")]
     timed += [(Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size))), 1, f":{size}")
               for size in _group_sizes(world, [world])]
+    sharing = torch.tensor([core_sharing()], dtype=torch.float64)
+    dist.all_reduce(sharing, op=dist.ReduceOp.MAX)  # every rank times the same phases, whatever its host's cores
+    phases = _in_step_phases(float(sharing.item()), repeats)
     samples: dict[str, list[float]] = {}
     for _ in range(IN_STEP_ROUNDS):
         for comm, axis, group in timed:
-            for ops, short in ((IN_STEP_PHASE_OPS, ""), (IN_STEP_SHORT_PHASE_OPS, "_short")):
-                alone, extra = _in_step_collective(comm, axis, repeats, ops)
-                samples.setdefault(f"in_step_collective{short}_s{group}", []).extend(extra)
+            for ops, phase, count in phases:
+                alone, extra = _in_step_collective(comm, axis, count, ops)
+                samples.setdefault(f"in_step_collective{phase}_s{group}", []).extend(extra)
                 if not group:
-                    samples.setdefault(f"compute_phase{short}_s", []).extend(alone)
+                    samples.setdefault(f"compute_phase{phase}_s", []).extend(alone)
     return {key: max(statistics.median(values), 0.0) for key, values in samples.items()}
 
 
@@ -661,6 +667,25 @@ IN_STEP_SHORT_PHASE_OPS = 100
 """Tiny ops in the short compute phase (about 0.27 ms): the in-step all-reduce timed after it too
 (``in_step_collective_short_s``) is the wait of a call that follows another soon (version 18,
 :attr:`.cluster.Link.sync_by_gap`)."""
+
+IN_STEP_LONG_PHASE_OPS = 4000
+"""Tiny ops in the long compute phase (about 9 ms), timed only where every rank has a core of its own
+(:func:`core_sharing` at most 1): the in-step all-reduce after it (``in_step_collective_long_s``) is the wait of a call
+that follows a stretch of a model's compute (version 21). On 2 gloo processes of this project's 2-core machine the
+wait's median was 0.31 ms after 0.24 ms of compute, 0.45 after 2.7, 1.18 after 8.8 and 1.32 after 26: the processes
+drift apart the longer they compute, as the machine's other work takes a core from one of them for a while. A
+12-layer GPT's plan on those 2 processes (74 calls, 5-40 ms of compute before each) was blocked 2.5 ms a call on
+average, about 1.5 ms beyond its call's price. Where ranks share cores the scheduler's turns bound the drift instead
+(4 processes on 2 cores: a step of mixtral-mini with 14 calls ran 76 ms in all, where this figure came to 23 ms a
+call), and the long phase is not timed."""
+
+
+def _in_step_phases(sharing: float, repeats: int) -> tuple[tuple[int, str, int], ...]:
+    """(tiny ops, figure suffix, samples a round) of each compute phase the in-step all-reduce is timed after: the
+    long one (:data:`IN_STEP_LONG_PHASE_OPS`, a third of the samples) only where ``sharing`` (:func:`core_sharing`) is
+    at most 1."""
+    phases = ((IN_STEP_PHASE_OPS, "", repeats), (IN_STEP_SHORT_PHASE_OPS, "_short", repeats))
+    return phases + (((IN_STEP_LONG_PHASE_OPS, "_long", max(3, repeats // 3)),) if sharing <= 1 else ())
 
 
 def _in_step_collective(comm, axis: int, repeats: int, ops: int = IN_STEP_PHASE_OPS) -> tuple[list[float], list[float]]:
