@@ -367,7 +367,8 @@ timed after the short phase too, so that a call that follows another soon is pri
 (:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches); 20: a
 change tried and reverted (roofline timed one process at a time), whose caches are not read; 21: the in-step
 all-reduce timed after a long compute phase too where every rank has a core (:data:`.calibrate_worker.
-IN_STEP_LONG_PHASE_OPS`, a third point of :attr:`.cluster.Link.sync_by_gap`). A cache of an older version is measured
+IN_STEP_LONG_PHASE_OPS`, a third point of :attr:`.cluster.Link.sync_by_gap`), and the sustained slowdown taken from the
+fastest of several long stretches (:func:`.calibrate_worker._slowdown_of`). A cache of an older version is measured
 again, not read."""
 
 
