@@ -714,7 +714,8 @@ def _why_slower(ours: MethodResult, best: MethodResult) -> str:
 
 
 def _why_slower_figures(ours: MethodResult, best: MethodResult) -> str:
-    calls = f"{sum(ours.comm_calls_by_kind.values())} collective calls against {sum(best.comm_calls_by_kind.values())}"
+    count = sum(ours.comm_calls_by_kind.values())
+    calls = f"{count} collective call{'' if count == 1 else 's'} against {sum(best.comm_calls_by_kind.values())}"
     ours_s, best_s = ours.predicted.get("step_s"), best.predicted.get("step_s")
     if not ours_s:
         return f"no cost-model estimate was recorded for MetaDist's plan; {calls}"
