@@ -411,6 +411,11 @@ def test_a_plan_on_waits_by_gap_is_the_cheaper_of_the_searches_at_long_and_short
     # the estimate, not the objective, prices the plan: the baselines were compared, and say why
     assert "wait by the compute before it" in plan.solver["baselines_reason"]
     assert all(seconds is None or seconds >= plan.estimate["step_s"] * (1 - 1e-9) for seconds in plan.solver["baselines_checked"].values())
+    # the explanation's costs are the ones the search that chose the plan saw, and it says which
+    from metadist.solver import explain
+
+    noted = "every collective at its link's short wait" in explain(plan, next(iter(plan.solver["explain"])))
+    assert noted == (kept == "short waits")
     # a cluster without the curve searches once, as before
     flat = plan_graph(graph, rules, replace(base, axis_links=tuple(replace(link, sync_s=6e-3) for link in base.axis_links)),
                       memory_budget_bytes=float("inf"))

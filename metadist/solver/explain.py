@@ -109,6 +109,9 @@ def explain(plan: Plan, name: str) -> str:
     r = records[name]
     scope = f"(costs of its decision unit of {r['unit_size']} node(s) x {r['tied_copies']} tied cop(ies))"
     lines = [f"{name}: chose {r['chosen']}", f"  cost {r['compute_s'] + r['comm_s']:.6g} s = compute {r['compute_s']:.6g} s + communication {r['comm_s']:.6g} s {scope}"]
+    if plan.solver.get("short_waits", {}).get("kept") == "short waits":
+        lines.append("  priced as the search that chose the plan priced it: every collective at its link's short wait "
+                     "(the plan's estimate prices each call's wait by the compute before it; plan.solver['short_waits'])")
     if "runner_up" not in r:
         lines.append("  no alternative strategy changes this node")
         return "\n".join(lines)
