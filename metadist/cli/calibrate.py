@@ -52,19 +52,16 @@ def run(args: argparse.Namespace) -> int:
         table_path(settings_from_env().cache_dir).unlink(missing_ok=True)
     console = Console()
     table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}")
-    for column in ("axis", "size", "per call", "in-step wait", "right after a call", "after long compute", "latency per step",
-                   "bandwidth", "reduce-scatter"):
+    for column in ("axis", "size", "per call", "in-step wait", "latency per step", "bandwidth", "reduce-scatter"):
         table.add_column(column, justify="right")
     for name, size, link in zip(mesh.axis_names, mesh.shape, cluster.axis_links):
-        # the wait of a call soon after another and after a long stretch of compute (Link.sync_by_gap, its first and
-        # third points), where they differ from the in-step wait
-        soon = f"{link.sync_after(0.0) * 1e6:.1f} us" if link.sync_by_gap else "the same"
-        late = (f"{link.sync_by_gap[-1][1] * 1e6:.1f} us after {link.sync_by_gap[-1][0] * 1e3:.1f} ms"
-                if len(link.sync_by_gap) > 2 else "the same")
-        table.add_row(name, str(size), f"{link.call_overhead_s * 1e6:.1f} us", f"{link.sync_s * 1e6:.1f} us", soon, late,
-                      f"{link.latency_s * 1e6:.1f} us",
+        table.add_row(name, str(size), _duration(link.call_overhead_s), _duration(link.sync_s), _duration(link.latency_s),
                       f"{human_bytes(link.bandwidth_bytes_per_s)}/s", "as all-reduce" if link.reduce_scatter_as_all_reduce else "ring")
     console.print(table)
+    for name, link in zip(mesh.axis_names, cluster.axis_links):
+        if link.sync_by_gap:  # the wait by the compute before a call (Link.sync_by_gap), where it differs
+            waits = ", ".join(f"{_duration(wait)} after {_duration(gap)}" for gap, wait in link.sync_by_gap)
+            console.print(f"  {name}: in a step a call waits by the compute before it: {waits} of compute", markup=False)
     device = cluster.device
     console.print(f"device (slowest process, all computing at once): {device.peak_flops_per_s / 1e9:.1f} GFLOP/s matmul, "
                   f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per node "
@@ -89,3 +86,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(cluster.to_json(), markup=False)
     return 0
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in milliseconds from 1 ms up, else in microseconds."""
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
