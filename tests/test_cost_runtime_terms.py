@@ -353,12 +353,12 @@ def test_the_long_phase_is_timed_only_where_every_rank_has_a_core():
     from metadist.cost.calibrate_worker import (IN_STEP_LONG_PHASE_OPS, IN_STEP_PHASE_OPS, IN_STEP_SHORT_PHASE_OPS,
                                                 _in_step_phases)
 
-    assert _in_step_phases(1.0, 15) == ((IN_STEP_PHASE_OPS, "", 15), (IN_STEP_SHORT_PHASE_OPS, "_short", 15),
+    assert _in_step_phases(False, 15) == ((IN_STEP_PHASE_OPS, "", 15), (IN_STEP_SHORT_PHASE_OPS, "_short", 15),
                                         (IN_STEP_LONG_PHASE_OPS, "_long", 5))
-    assert _in_step_phases(0.5, 4)[-1] == (IN_STEP_LONG_PHASE_OPS, "_long", 3)
+    assert _in_step_phases(False, 4)[-1] == (IN_STEP_LONG_PHASE_OPS, "_long", 3)
     # 4 processes on 2 cores: the scheduler's turns bound the drift, and the long phase's wait (23 ms a call after
     # 11 ms) is not what a step's calls wait
-    assert _in_step_phases(2.0, 15) == ((IN_STEP_PHASE_OPS, "", 15), (IN_STEP_SHORT_PHASE_OPS, "_short", 15))
+    assert _in_step_phases(True, 15) == ((IN_STEP_PHASE_OPS, "", 15), (IN_STEP_SHORT_PHASE_OPS, "_short", 15))
 
 
 def _gapped(cluster, short_gap: float, short_wait: float, long_gap: float, long_wait: float):

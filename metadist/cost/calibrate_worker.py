@@ -543,9 +543,8 @@ def _in_step_figures(world: int, repeats: int) -> dict[str, float]:
     timed = [(Collectives.from_device_mesh(_world_mesh(world)), 0, "")]
     timed += [(Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size))), 1, f":{size}")
               for size in _group_sizes(world, [world])]
-    sharing = torch.tensor([core_sharing()], dtype=torch.float64)
-    dist.all_reduce(sharing, op=dist.ReduceOp.MAX)  # every rank times the same phases, whatever its host's cores
-    phases = _in_step_phases(float(sharing.item()), repeats)
+    # every rank times the same phases, whatever its host's cores
+    phases = _in_step_phases(_any_rank(core_sharing() > 1, torch.device("cpu")), repeats)
     samples: dict[str, list[float]] = {}
     for _ in range(IN_STEP_ROUNDS):
         for comm, axis, group in timed:
@@ -694,12 +693,12 @@ average, about 1.5 ms beyond its call's price. Where ranks share cores the sched
 call), and the long phase is not timed."""
 
 
-def _in_step_phases(sharing: float, repeats: int) -> tuple[tuple[int, str, int], ...]:
+def _in_step_phases(shared: bool, repeats: int) -> tuple[tuple[int, str, int], ...]:
     """(tiny ops, figure suffix, samples a round) of each compute phase the in-step all-reduce is timed after: the
-    long one (:data:`IN_STEP_LONG_PHASE_OPS`, a third of the samples) only where ``sharing`` (:func:`core_sharing`) is
-    at most 1."""
+    long one (:data:`IN_STEP_LONG_PHASE_OPS`, a third of the samples) only where no rank ``shared`` its cores
+    (:func:`core_sharing` over 1 on some host)."""
     phases = ((IN_STEP_PHASE_OPS, "", repeats), (IN_STEP_SHORT_PHASE_OPS, "_short", repeats))
-    return phases + (((IN_STEP_LONG_PHASE_OPS, "_long", max(3, repeats // 3)),) if sharing <= 1 else ())
+    return phases + (((IN_STEP_LONG_PHASE_OPS, "_long", max(3, repeats // 3)),) if not shared else ())
 
 
 def _in_step_collective(comm, axis: int, repeats: int, ops: int = IN_STEP_PHASE_OPS) -> tuple[list[float], list[float]]:
