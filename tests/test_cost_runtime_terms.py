@@ -422,6 +422,27 @@ def test_a_plan_on_waits_by_gap_is_the_cheaper_of_the_searches_at_long_and_short
     assert "short_waits" not in flat.solver
 
 
+@pytest.mark.parametrize("caller_limit_s", [60.0, 3.0])
+def test_the_search_at_short_waits_runs_within_its_own_time_limit(monkeypatch, caller_limit_s):
+    from metadist.solver import ilp as ilp_module, planner
+
+    graph, rules = mlp_step(64, 512, 2048, layers=2)
+    cluster = _gapped(_synced("cpu-gloo", Mesh((4,)), sync_s=0.0, op_overhead_s=20e-6), 0.2e-3, 0.3e-3, 3e-3, 6e-3)
+    limits: list[float] = []
+    solve = ilp_module.ShardingILP.solve
+
+    def recorded(self, time_limit_s=60.0):
+        limits.append(time_limit_s)
+        return solve(self, time_limit_s)
+
+    monkeypatch.setattr(ilp_module.ShardingILP, "solve", recorded)
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=caller_limit_s)
+    # the first search gets the caller's limit; the second, a refinement the estimate may reject, at most its own
+    expected = min(caller_limit_s, planner.SHORT_WAIT_SEARCH_S)
+    assert limits[0] == caller_limit_s and limits[-1] == expected and len(limits) == 2
+    assert plan.solver["short_waits"]["time_limit_s"] == expected
+
+
 def test_a_lowered_programs_calls_are_priced_by_the_compute_the_program_runs_before_each():
     from metadist.cost.comm import program_comm
     from metadist.lowering.program import LocalOp, lower
