@@ -429,17 +429,31 @@ def test_the_search_at_short_waits_runs_within_its_own_time_limit(monkeypatch, c
     graph, rules = mlp_step(64, 512, 2048, layers=2)
     cluster = _gapped(_synced("cpu-gloo", Mesh((4,)), sync_s=0.0, op_overhead_s=20e-6), 0.2e-3, 0.3e-3, 3e-3, 6e-3)
     limits: list[float] = []
+    starts: list = []
     solve = ilp_module.ShardingILP.solve
 
-    def recorded(self, time_limit_s=60.0):
+    def recorded(self, time_limit_s=60.0, start=None):
         limits.append(time_limit_s)
-        return solve(self, time_limit_s)
+        starts.append((self.problem, start))
+        return solve(self, time_limit_s, start)
+
+    kept = []
+    searched = planner._searched_at_short_waits
+
+    def second_search(problem, solution, *args):
+        kept.append(solution.choice)
+        return searched(problem, solution, *args)
 
     monkeypatch.setattr(ilp_module.ShardingILP, "solve", recorded)
+    monkeypatch.setattr(planner, "_searched_at_short_waits", second_search)
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"), time_limit_s=caller_limit_s)
     # the first search gets the caller's limit; the second, a refinement the estimate may reject, at most its own
     expected = min(caller_limit_s, planner.SHORT_WAIT_SEARCH_S)
     assert limits[0] == caller_limit_s and limits[-1] == expected and len(limits) == 2
+    # the second starts from the first's plan, carried into its problem: stopped by its limit, it ends no dearer
+    (first, none), (second, start) = starts
+    assert none is None and start is not None and set(start) == set(second.classes)
+    assert planner.assignment_from(second, start) == planner.assignment_from(first, kept[0])
     assert plan.solver["short_waits"]["time_limit_s"] == expected
 
 

@@ -376,6 +376,54 @@ def test_when_the_relaxation_runs_out_of_time_branch_and_bound_starts_from_the_r
     assert plan.estimate["step_s"] <= baseline_plan(graph, rules, H100X8, "dp").estimate["step_s"]
 
 
+@pytest.mark.parametrize("stopped", ["relaxation", "branch and bound"])
+def test_a_search_given_a_plan_ends_no_dearer_than_it_however_short_its_time(monkeypatch, stopped):
+    """The planner's second search starts from the first search's plan. Stopped by its time limit, before its
+    relaxation ends or in branch and bound after a rounding dearer than the plan given, it keeps the plan given
+    (where it started from the replicated plan or the rounding, and ended with either)."""
+    from metadist.solver import ilp
+    from metadist.solver.local_search import objective_s
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(2048, 512, 2048, layers=2)
+    problem = build_problem(graph, rules, H100X8)
+    best = ilp.ShardingILP(problem, None).solve(60.0)
+    replicated = {c: 0 for c in problem.classes}
+    assert best.objective_s < 0.9 * objective_s(problem, replicated)
+    run = ilp.ShardingILP._run
+    if stopped == "relaxation":
+        monkeypatch.setattr(ilp.ShardingILP, "_run", lambda self, time_limit_s, relax, start=None: run(self, 1e-9, relax, start))
+    else:  # a fractional relaxation whose rounding is the replicated plan, far from the bound
+        monkeypatch.setattr(ilp.ShardingILP, "_run",
+                            lambda self, time_limit_s, relax, start=None: run(self, 60.0 if relax else 1e-9, relax, start))
+        monkeypatch.setattr(ilp.ShardingILP, "_integral", lambda self, values: False)
+        monkeypatch.setattr(ilp.ShardingILP, "rounded", lambda self, values, bound_s, started, allowed=None: ilp.Solution(
+            choice=replicated, objective_s=objective_s(problem, replicated), stats={"mip_gap": 0.5}))
+    stuck = ilp.ShardingILP(problem, None).solve(60.0)
+    assert stuck.objective_s == pytest.approx(objective_s(problem, replicated), rel=1e-9)
+    given = ilp.ShardingILP(problem, None).solve(60.0, start=best.choice)
+    assert given.choice == best.choice and given.objective_s == pytest.approx(best.objective_s, rel=1e-9)
+
+
+def test_a_plan_carries_into_a_problem_of_the_same_graph_built_on_other_figures():
+    """The second search's start: the first plan, class by class of a problem built on the same graph with other
+    figures; none where the strategies differ (another mesh)."""
+    from metadist.solver.ilp import ShardingILP
+    from metadist.solver.planner import assignment_from, choice_in
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(2048, 512, 2048, layers=2)
+    problem = build_problem(graph, rules, H100X8)
+    best = ShardingILP(problem, None).solve(60.0)
+    assert any(best.choice.values())  # not the replicated plan: a mapping that drops strategies would show
+    assert choice_in(problem, best.choice, problem) == best.choice
+    other = build_problem(graph, rules, cluster_for("v100x8", Mesh((8,))))
+    mapped = choice_in(problem, best.choice, other)
+    assert mapped is not None and set(mapped) == set(other.classes)
+    assert assignment_from(other, mapped) == assignment_from(problem, best.choice)
+    assert choice_in(problem, best.choice, build_problem(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))) is None
+
+
 @pytest.mark.parametrize("budget_mib, binds", [(45, True), (1e6, False)])
 def test_the_relaxation_takes_the_memory_rows_only_when_its_optimum_breaks_the_budget(budget_mib, binds):
     """Left out, the budget's dense rows cost the simplex nothing when the unconstrained optimum meets them; when it

@@ -68,6 +68,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import highspy
@@ -504,12 +505,16 @@ class ShardingILP:
         binaries = [i for i, flag in enumerate(self.integer) if flag]
         return bool(np.all(np.abs(values[binaries] - np.round(values[binaries])) <= INTEGRALITY_TOLERANCE))
 
-    def solve(self, time_limit_s: float = 60.0) -> Solution | None:
+    def solve(self, time_limit_s: float = 60.0, start: Mapping[int, int] | None = None) -> Solution | None:
         """Solve; None when infeasible. The best incumbent is returned at the time limit.
 
         The LP relaxation is solved first: the marginal linearization is tight, so its optimum
         is usually integral, and an integral optimum of the relaxation is optimal for the ILP.
         Otherwise the MIP runs (branch and bound) within what is left of the time limit.
+
+        ``start``: a plan (one strategy per class) known to fit the budget, such as an earlier search's; ignored where
+        recomputation is offered (a start there sets every layer recomputing). Branch and bound starts from it where its objective is lower than the rounded relaxation's (or rounding finds none), so
+        that a search its time limit stops ends with a plan no dearer than ``start``.
         """
         if math.isinf(self.constant_s()):
             raise SolverError("no plan reduces every gradient in the precision policy's reduce dtype: a node with a "
@@ -536,7 +541,7 @@ class ShardingILP:
         if lp_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
             return None
         values = np.array(highs.getSolution().col_value)
-        start = None
+        given, start = start, None
         fractional = (lp_status == highspy.HighsModelStatus.kOptimal and not self._integral(values)
                       and not self.minimize_memory)
         if fractional and not self.r:  # rounding knows strategies only: a relaxation with recomputation goes to branch and bound
@@ -545,7 +550,12 @@ class ShardingILP:
                 logger.info("ILP: %s", rounded.stats)
                 return rounded
             start = None if rounded is None else rounded.choice
-            logger.info("ILP: branch and bound starts from %s", "the replicated plan" if rounded is None else rounded.stats)
+            if given is not None and (start is None or objective_s(self.problem, given) < rounded.objective_s):
+                start = dict(given)
+                logger.info("ILP: branch and bound starts from the plan given, priced %.6g s",
+                            objective_s(self.problem, start))
+            else:
+                logger.info("ILP: branch and bound starts from %s", "the replicated plan" if rounded is None else rounded.stats)
         elif fractional:
             heaviest = round_relaxation(self.problem, {c: values[variables] for c, variables in self.x.items()})
             if self.round_recompute_up:
@@ -557,6 +567,10 @@ class ShardingILP:
             # branch and bound starts from the relaxation's heaviest strategies with every layer recomputing: where
             # that fits the budget, it ends with a plan at worst (LLaMA-70B on 128x8 under 80 GB needed 100+ nodes)
             start = heaviest
+        if lp_status != highspy.HighsModelStatus.kOptimal and start is None and given is not None and not self.r:
+            start = dict(given)  # the relaxation did not finish in time: branch and bound ends with the plan given at worst
+            logger.warning("ILP: the LP relaxation stopped (%s) after %.1f s; branch and bound starts from the plan "
+                           "given", highs.modelStatusToString(lp_status), time.perf_counter() - started)
         if lp_status != highspy.HighsModelStatus.kOptimal and start is None:
             # the relaxation did not finish in time: branch and bound starts from every class's first strategy (the
             # replicated one: strategy sets start with it), so that it ends with that plan at worst instead of none;
