@@ -428,3 +428,38 @@ def test_recorded_calls_read_the_flight_recorders_window_and_refuse_what_they_ca
         recorded_calls([_recorder_entry(1, "gloo:all_reduce", "0", [[3]], ["Float4"])], 0, 1, sizes)
     with pytest.raises(UnreadableRecord, match="'nccl:coalesced'"):
         recorded_calls([_recorder_entry(1, "nccl:coalesced", "0", [], [])], 0, 1, sizes)
+
+
+def test_stand_in_collectives_give_each_call_its_real_shape_from_the_ranks_own_values():
+    from metadist.bench.rank_compute import StandInCollectives
+
+    comm = StandInCollectives(("a", "b"), (2, 4))
+    piece = torch.arange(12.0).reshape(4, 3)
+    gathered = comm.wait_tensor(comm._start("all_gather", piece, 1))
+    assert gathered.shape == (16, 3) and torch.equal(gathered[8:12], piece)
+    scattered = comm.wait_tensor(comm._start("reduce_scatter", piece, 0, "sum"))
+    assert scattered.shape == (2, 3) and torch.equal(scattered, piece[:2])
+    for kind in ("all_reduce", "all_to_all"):
+        out = comm.wait_tensor(comm._start(kind, piece, 1, "sum"))
+        assert torch.equal(out, piece) and out.data_ptr() != piece.data_ptr()
+
+
+def test_rank_compute_times_every_ranks_program_alone_and_at_once_against_its_price(capsys):
+    """``python -m metadist.bench.rank_compute``: per layout, the compute priced at one process's and at N processes'
+    figures, the first rank's program timed alone and every rank's at once (forked processes, stand-in collectives)."""
+    from metadist.bench.rank_compute import main, measure
+
+    data = measure("mlp", (2,), ("plan", "dp", "eager"), window_s=0.05, cluster_name="cpu-gloo")
+    assert [row["layout"] for row in data["rows"]] == ["plan", "dp", "eager"]
+    for row in data["rows"]:
+        assert row["priced_alone_s"] > 0 and row["priced_shared_s"] > 0 and row["alone_s"] > 0
+        assert 0 < row["at_once_min_s"] <= row["at_once_s"] <= row["at_once_max_s"]
+    plan, dp, eager = data["rows"]
+    assert 0 <= plan["replicated_nodes"] <= plan["nodes"]
+    assert dp["replicated_nodes"] < dp["nodes"]  # the batch's nodes are split
+    assert eager["replicated_nodes"] is None  # torch's own step: no plan
+    assert main(["mlp", "--mesh", "2", "--layouts", "dp", "--window-s", "0.05", "--cluster", "cpu-gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "alone and 2 processes at once" in out and "mlp" in out
+    with pytest.raises(SystemExit):
+        main(["mlp", "--layouts", "zero9"])
