@@ -539,6 +539,35 @@ def test_cost_solver_and_pipeline_planning_import_no_framework():
 
 
 @pytest.mark.distributed
+def test_where_ranks_share_cores_one_rank_measures_the_compute_figures_alone_and_every_rank_gets_them(tmp_path):
+    """Calibration version 23: rank 0 runs the compute figures' measurement while the other ranks wait in the
+    broadcast that then hands them its figures; a figure that asks every rank (``_any_rank``) answers for rank 0
+    alone then, with no collective the waiting ranks would never join."""
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import datetime, torch, torch.distributed as dist\n"
+        "from metadist.cost import calibrate_worker as worker\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+        "seen = []\n"
+        "def measured(device):\n"
+        "    seen.append(worker._MEASURING_ALONE)\n"
+        "    stop = worker._any_rank(True, device)\n"
+        "    return {'peak_flops_per_s': 100.0 + dist.get_rank(), 'op_overhead_s': 1e-6, 'stopped': float(stop)}\n"
+        "worker._roofline = measured\n"
+        "figures = worker._roofline_alone(torch.device('cpu'))\n"
+        "assert figures == {'peak_flops_per_s': 100.0, 'op_overhead_s': 1e-6, 'stopped': 1.0}, figures\n"
+        "assert seen == ([True] if dist.get_rank() == 0 else []), seen\n"
+        "assert not worker._MEASURING_ALONE\n"
+        "assert worker._any_rank(dist.get_rank() == 1, torch.device('cpu'))  # together again: rank 1's flag reaches 0\n"
+        "dist.barrier()\n"
+        "print('ok', dist.get_rank())\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("ok")) == ["ok 0", "ok 1"]
+
+
+@pytest.mark.distributed
 def test_calibrate_measures_gloo_on_two_processes():
     from metadist.cost.calibrate import calibrate
 

@@ -197,7 +197,8 @@ def _element_seconds(device: torch.device) -> dict[str, float]:
 
 
 def _roofline(device: torch.device) -> dict[str, float]:
-    """This rank's rates and its fixed seconds per op (run on every rank at once).
+    """This rank's rates and its fixed seconds per op (run on every rank at once, or by one rank alone where ranks share
+    cores: :func:`_roofline_alone`).
 
     For float32 and each of :data:`NARROW_DTYPES`: the FLOP/s of square matmuls at each of :data:`MATMUL_SIZES`
     (``matmul_curve:DTYPE:FLOPS``, keyed by one matmul's FLOPs) and the bytes/s of an add at each of
@@ -289,8 +290,16 @@ def _matmul_curve(device: torch.device, dtype: torch.dtype, layout: str = "") ->
     return curve
 
 
+_MEASURING_ALONE = False
+"""True while one rank measures its compute figures alone (:func:`_roofline_alone`): :func:`_any_rank` then answers
+for this rank without a collective, the others waiting for its figures."""
+
+
 def _any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on any rank (every rank calls this at the same point)."""
+    """Whether ``flag`` holds on any rank (every rank calls this at the same point; this rank's own ``flag`` while it
+    measures alone)."""
+    if _MEASURING_ALONE:
+        return flag
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
@@ -319,6 +328,30 @@ def _elementwise_curve(device: torch.device, dtype: torch.dtype) -> list[tuple[i
         nbytes = 3 * count * x.element_size()
         curve.append((nbytes, _net_rate(nbytes, _per_call_seconds(lambda: torch.add(x, y, out=out), device), floor)))
     return curve
+
+
+def _roofline_alone(device: torch.device) -> dict[str, float]:
+    """:func:`_roofline`'s figures measured by rank 0 alone while the other ranks wait, given to every rank: where
+    ranks share cores (version 23).
+
+    Timed with every rank at once, each figure's short calls ran alone on a core or waited their turn, by chance, and
+    the sustained slowdown applied on top counted the sharing twice for the figures whose calls had waited: on 4
+    processes sharing this project's 2 cores, the raw figures came to 0.3-1.3x one process's alone, and the
+    calibration priced MetaDist's plans' compute at 2.6-3.5x their one-process price, where each rank's program ran
+    1.9-2.5x its time alone with every rank computing at once (``python -m metadist.bench.rank_compute``). Alone, each
+    figure is a rank's on a free core, and the sharing is applied once, by the slowdown (as for the runtime's two
+    calibration steps since version 11). The waiting ranks block in the broadcast that hands them the figures."""
+    global _MEASURING_ALONE
+    figures = None
+    if dist.get_rank() == 0:
+        _MEASURING_ALONE = True
+        try:
+            figures = _roofline(device)
+        finally:
+            _MEASURING_ALONE = False
+    box = [figures]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _tiny_op_chain(length: int) -> torch.nn.Module:
@@ -766,7 +799,10 @@ def main(argv: list[str] | None = None) -> None:
                     break
                 measurements.append({"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": seconds})
     dist.barrier()
-    roofline = _slowest(_roofline(device), device)
+    if device.type == "cpu" and _any_rank(core_sharing() > 1, device):  # ranks share cores: see _roofline_alone
+        roofline = _roofline_alone(device)
+    else:
+        roofline = _slowest(_roofline(device), device)
     if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
         roofline.update(_slowest(_runtime_figures(roofline), device))
     if dist.get_rank() == 0:
