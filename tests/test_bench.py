@@ -463,3 +463,24 @@ def test_rank_compute_times_every_ranks_program_alone_and_at_once_against_its_pr
     assert "alone and 2 processes at once" in out and "mlp" in out
     with pytest.raises(SystemExit):
         main(["mlp", "--layouts", "zero9"])
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_rank_compute_names_the_rank_whose_step_fails_or_whose_process_dies(how):
+    import os
+    from types import SimpleNamespace
+
+    from metadist.bench.rank_compute import Eager, at_once_s
+
+    def train_step():
+        def step(model, optimizer, batch):
+            if how == "dies":
+                os._exit(3)
+            raise ValueError("a broken step")
+        return step
+
+    workload = SimpleNamespace(model=torch.nn.Linear(2, 2), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                               batch={"x": torch.zeros(2, 2)}, train_step=train_step)
+    expected = r"process died: rank \([01],\): exit code 3" if how == "dies" else r"step failed: .*ValueError: a broken step"
+    with pytest.raises(RuntimeError, match=expected):
+        at_once_s(Eager(workload), (2,), 0.05)

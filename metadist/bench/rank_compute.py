@@ -1,6 +1,6 @@
 """Each rank's compute on processes that share cores, against the cost model's price of it (issue #16, part 2).
 
-    python -m metadist.bench.rank_compute MODEL [MODEL ...] [--mesh 2x2] [--layouts plan,dp] [--window-s 3]
+    python -m metadist.bench.rank_compute MODEL [MODEL ...] [--mesh 2x2] [--layouts plan,dp,eager] [--window-s 3]
         [--cluster NAME] [--out F.json]
 
 For a built-in on N local processes (the product of ``--mesh``), three layouts of its step: MetaDist's plan (planned
@@ -8,9 +8,8 @@ as ``make bench`` plans it, on this machine's calibration for N processes), the 
 ``eager``: the model's own step run by torch on the rank's share of the batch, as torch's DDP runs it without its
 all-reduces (priced as the cost model prices DDP's compute). Each rank's lowered program runs as the runtime builds it,
 with its collectives replaced by stand-ins: each call's output has its shape and values made from the rank's own
-input, and nothing moves. Timed, with one intra-op thread as each rank of
-a local run has (median step over ``--window-s`` seconds): the first rank alone, then every rank at once, each in a
-forked process. Priced: the nodes' compute on one process's calibration (what the program costs alone) and on the
+input, and nothing moves. Timed, with one intra-op thread as each rank of a local run has (median step over
+``--window-s`` seconds): the first rank alone, then every rank at once, each in a forked process. Priced: the nodes' compute on one process's calibration (what the program costs alone) and on the
 N-process calibration (what the planner prices). Communication is left out of both sides, so the rows tell whether a
 row of ``make bench`` on N processes sharing cores is mispriced in its compute or in its calls.
 
@@ -103,6 +102,13 @@ class Lowered:
     plan: Any
 
 
+@dataclass(frozen=True)
+class Eager:
+    """torch's own step of the workload, each rank on its share of the batch (:func:`eager_step`)."""
+
+    workload: Any
+
+
 def eager_step(workload: Any, parts: int, index: int) -> Any:
     """The model's own step on data-parallel rank ``index`` of ``parts``, as torch's DDP runs it less its all-reduces:
     its own copy of the model and optimizer, its rows of the batch (a function of no arguments)."""
@@ -119,11 +125,11 @@ def eager_step(workload: Any, parts: int, index: int) -> Any:
 
 def _runner(layout: Any, coords: tuple[int, ...], shape: tuple[int, ...]) -> Any:
     """What one step of ``layout`` is on the rank at ``coords`` (a function of no arguments)."""
-    if isinstance(layout, tuple):  # ("eager", workload)
+    if isinstance(layout, Eager):
         index = 0
         for coordinate, size in zip(coords, shape):
             index = index * size + coordinate
-        return eager_step(layout[1], math.prod(shape), index)
+        return eager_step(layout.workload, math.prod(shape), index)
     graph, torch_step, plan = layout.graph, layout.torch_step, layout.plan
     module, inputs = rank_module(graph, torch_step, plan, coords)
     return lambda: module(*inputs)
@@ -143,7 +149,7 @@ def _rank_worker(layout: Any, coords: tuple[int, ...], shape: tuple[int, ...], w
 
 
 def at_once_s(layout: Any, shape: tuple[int, ...], window_s: float) -> dict[tuple[int, ...], float]:
-    """Every rank's median step of ``layout`` (a :class:`Lowered` or ``("eager", workload)``) on a mesh of ``shape``,
+    """Every rank's median step of ``layout`` (:class:`Lowered` or :class:`Eager`) on a mesh of ``shape``,
     every rank running at once, each in a forked process."""
     import itertools
 
@@ -156,7 +162,20 @@ def at_once_s(layout: Any, shape: tuple[int, ...], window_s: float) -> dict[tupl
                for coords in ranks]
     for worker in workers:
         worker.start()
-    got = [results.get(timeout=600 + 10 * window_s) for _ in workers]
+    import queue
+
+    got: list[tuple] = []
+    while len(got) < len(workers):
+        try:
+            got.append(results.get(timeout=1.0))
+        except queue.Empty:  # a rank killed outright (a signal, memory) never reports: name it rather than wait
+            reported = {coords for coords, _, _ in got}
+            dead = [f"rank {coords}: exit code {worker.exitcode}" for coords, worker in zip(ranks, workers)
+                    if coords not in reported and worker.exitcode not in (None, 0)]
+            if dead:
+                for worker in workers:
+                    worker.kill()
+                raise RuntimeError("a rank's process died: " + "; ".join(dead)) from None
     for worker in workers:
         worker.join()
     failed = [f"rank {coords}: {error}" for coords, _, error in got if error is not None]
@@ -228,7 +247,7 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
                 return _eager_compute_s(graph, cluster, {"compute_s": nodes_s}, plan)
             return nodes_s
 
-        running = ("eager", workload) if layout == "eager" else Lowered(graph, torch_step, plan)
+        running = Eager(workload) if layout == "eager" else Lowered(graph, torch_step, plan)
         step = _runner(running, (0,) * mesh.ndim, mesh.shape)
         alone_s = timed_s(step, window_s)
         del step
