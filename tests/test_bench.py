@@ -463,6 +463,12 @@ def test_rank_compute_times_every_ranks_program_alone_and_at_once_against_its_pr
     assert "alone and 2 processes at once" in out and "mlp" in out
     with pytest.raises(SystemExit):
         main(["mlp", "--layouts", "zero9"])
+    with pytest.raises(SystemExit):  # torch's eager step runs as written
+        main(["mlp", "--precision", "bf16", "--layouts", "plan,eager"])
+    with pytest.raises(ValueError, match="eager step runs as written"):
+        measure("mlp", (2,), ("eager",), window_s=0.05, cluster_name="cpu-gloo", precision="bf16")
+    bf16 = measure("mlp", (2,), ("plan",), window_s=0.05, cluster_name="cpu-gloo", precision="bf16")
+    assert bf16["precision"] == "bf16" and bf16["rows"][0]["at_once_s"] > 0
 
 
 @pytest.mark.parametrize("how", ["raises", "dies"])

@@ -1,7 +1,7 @@
 """Each rank's compute on processes that share cores, against the cost model's price of it (issue #16, part 2).
 
     python -m metadist.bench.rank_compute MODEL [MODEL ...] [--mesh 2x2] [--layouts plan,dp,eager] [--window-s 3]
-        [--cluster NAME] [--out F.json]
+        [--precision bf16|fp16] [--cluster NAME] [--out F.json]
 
 For a built-in on N local processes (the product of ``--mesh``), three layouts of its step: MetaDist's plan (planned
 as ``make bench`` plans it, on this machine's calibration for N processes), the solver's data-parallel layout, and
@@ -12,6 +12,9 @@ input, and nothing moves. Timed, with one intra-op thread as each rank of a loca
 ``--window-s`` seconds): the first rank alone, then every rank at once, each in a forked process. Priced: the nodes' compute on one process's calibration (what the program costs alone) and on the
 N-process calibration (what the planner prices). Communication is left out of both sides, so the rows tell whether a
 row of ``make bench`` on N processes sharing cores is mispriced in its compute or in its calls.
+
+``--precision`` captures the step under a mixed precision policy (as ``metadist plan --precision``) for the plan and
+dp layouts; torch's eager step runs as written, so ``eager`` takes no precision.
 
 What the measured side holds beyond the priced one: the runtime's own work around its calls (packing and unpacking
 coalesced calls, the stand-ins' copies, local slices) and its contiguous copies, which the cost model does not price
@@ -211,8 +214,11 @@ def _clusters(graph: Any, mesh: Any, cluster_name: str | None = None) -> tuple[A
 
 
 def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], window_s: float,
-            cluster_name: str | None = None) -> dict[str, Any]:
-    """The rows of one model: per layout, its compute priced alone and shared, and timed alone and at once."""
+            cluster_name: str | None = None, precision: str | None = None) -> dict[str, Any]:
+    """The rows of one model: per layout, its compute priced alone and shared, and timed alone and at once;
+    ``precision``: a mixed precision policy's name for the plan and dp layouts (not for ``eager``)."""
+    if precision is not None and "eager" in layouts:
+        raise ValueError("torch's eager step runs as written: --precision applies to the plan and dp layouts only")
     from ..frontends.torch.discovery import TorchExecutor
     from ..frontends.torch.repeat import capture_repeated_step
     from ..ir import Mesh
@@ -228,7 +234,7 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
     workload = builtin_workload(model)
     disable_dropout(workload.model)  # as the bench runs every method
     torch_step = capture_repeated_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
-                                       workload.batch, name=model)
+                                       workload.batch, name=model, precision=precision)
     graph = torch_step.graph
     with RuleDatabase() as db:
         rules = graph_rules(graph, TorchExecutor(), db=db)
@@ -237,7 +243,8 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
     rows = []
     for layout in layouts:
         if layout == "plan":
-            plan = plan_graph(graph, rules, shared, memory_budget_bytes=float("inf"), solver="ilp")
+            plan = plan_graph(graph, rules, shared, memory_budget_bytes=float("inf"), solver="ilp",
+                              reduce_dtype=torch_step.precision.reduce_dtype)
         else:
             plan = baseline_plan(graph, rules, shared, "dp")
 
@@ -258,7 +265,7 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
                      "priced_alone_s": priced_s(alone), "alone_s": alone_s, "priced_shared_s": priced_s(shared),
                      "at_once_s": statistics.median(together.values()), "at_once_min_s": min(together.values()),
                      "at_once_max_s": max(together.values())})
-    return {"model": model, "mesh": list(mesh_shape), "rows": rows}
+    return {"model": model, "mesh": list(mesh_shape), "precision": precision, "rows": rows}
 
 
 def table(results: list[dict[str, Any]], processes: int) -> Any:
@@ -275,7 +282,8 @@ def table(results: list[dict[str, Any]], processes: int) -> Any:
         for row in result["rows"]:
             ms = {key: 1e3 * value for key, value in row.items() if key.endswith("_s")}
             replicated = "-" if row["replicated_nodes"] is None else f"{row['replicated_nodes']}/{row['nodes']}"
-            out.add_row(row["model"], row["layout"], replicated,
+            layout = row["layout"] + (f" ({result['precision']})" if result.get("precision") else "")
+            out.add_row(row["model"], layout, replicated,
                         f"{ms['priced_alone_s']:.1f}", f"{ms['alone_s']:.1f}", f"{row['alone_s'] / row['priced_alone_s']:.2f}",
                         f"{ms['priced_shared_s']:.1f}",
                         f"{ms['at_once_s']:.1f}",
@@ -294,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="2x2", help="mesh of local processes, e.g. 2x2 or 4 (default 2x2)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--window-s", type=float, default=3.0, help="seconds each timing runs steps for (default 3)")
+    parser.add_argument("--precision", choices=("bf16", "fp16"), default=None,
+                        help="capture the step under this mixed precision policy (plan and dp layouts only)")
     parser.add_argument("--cluster", default=None, help="cost model cluster: preset or calibrated JSON file (default: "
                         "this machine, calibrated for the mesh's processes and for one)")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
@@ -304,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layouts {args.layouts!r}: choose among {', '.join(LAYOUTS)}")
     if args.window_s <= 0:
         parser.error("--window-s must be positive")
+    if args.precision is not None and "eager" in layouts:
+        parser.error("--precision applies to the plan and dp layouts (torch's eager step runs as written): "
+                     "pass --layouts plan,dp")
     try:
         mesh = parse_mesh(args.mesh)
     except ValueError as error:
@@ -314,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for model in args.models:
         started = time.perf_counter()
-        results.append(measure(model, mesh, layouts, args.window_s, args.cluster))
+        results.append(measure(model, mesh, layouts, args.window_s, args.cluster, args.precision))
         console.print(f"{model}: {time.perf_counter() - started:.0f} s")
     processes = 1
     for size in mesh:
