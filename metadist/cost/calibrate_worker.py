@@ -336,9 +336,9 @@ def _roofline_alone(device: torch.device) -> dict[str, float]:
 
     Timed with every rank at once, each figure's short calls ran alone on a core or waited their turn, by chance, and
     the sustained slowdown applied on top counted the sharing twice for the figures whose calls had waited: on 4
-    processes sharing this project's 2 cores, the raw figures came to 0.3-1.3x one process's alone, and the
+    processes sharing this project's 2 cores, the raw figures came to 0.14-2.75x one process's alone, and the
     calibration priced MetaDist's plans' compute at 2.6-3.5x their one-process price, where each rank's program ran
-    1.9-2.5x its time alone with every rank computing at once (``python -m metadist.bench.rank_compute``). Alone, each
+    2.0-2.6x its time alone with every rank computing at once (``python -m metadist.bench.rank_compute``). Alone, each
     figure is a rank's on a free core, and the sharing is applied once, by the slowdown (as for the runtime's two
     calibration steps since version 11). The waiting ranks block in the broadcast that hands them the figures."""
     global _MEASURING_ALONE

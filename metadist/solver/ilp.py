@@ -513,8 +513,9 @@ class ShardingILP:
         Otherwise the MIP runs (branch and bound) within what is left of the time limit.
 
         ``start``: a plan (one strategy per class) known to fit the budget, such as an earlier search's; ignored where
-        recomputation is offered (a start there sets every layer recomputing). Branch and bound starts from it where its objective is lower than the rounded relaxation's (or rounding finds none), so
-        that a search its time limit stops ends with a plan no dearer than ``start``.
+        recomputation is offered (a start there sets every layer recomputing). Branch and bound starts from it where
+        its objective is lower than the rounded relaxation's, where rounding finds no plan, or where the relaxation ran
+        out of time, so that a search its time limit stops ends with a plan no dearer than ``start``.
         """
         if math.isinf(self.constant_s()):
             raise SolverError("no plan reduces every gradient in the precision policy's reduce dtype: a node with a "
