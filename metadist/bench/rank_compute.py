@@ -240,13 +240,13 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
         rules = graph_rules(graph, TorchExecutor(), db=db)
     mesh = Mesh(mesh_shape)
     shared, alone = _clusters(graph, mesh, cluster_name)
-    rows = []
+    rows, dp = [], None
     for layout in layouts:
         if layout == "plan":
             plan = plan_graph(graph, rules, shared, memory_budget_bytes=float("inf"), solver="ilp",
                               reduce_dtype=torch_step.precision.reduce_dtype)
-        else:
-            plan = baseline_plan(graph, rules, shared, "dp")
+        else:  # dp and eager (priced as the dp layout run eagerly) share one solve
+            dp = plan = dp if dp is not None else baseline_plan(graph, rules, shared, "dp")
 
         def priced_s(cluster: Any) -> float:
             nodes_s = sum(node_compute_s(graph, name, strategy, cluster) for name, strategy in plan.node_strategies.items())

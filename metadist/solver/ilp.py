@@ -551,10 +551,10 @@ class ShardingILP:
                 logger.info("ILP: %s", rounded.stats)
                 return rounded
             start = None if rounded is None else rounded.choice
-            if given is not None and (start is None or objective_s(self.problem, given) < rounded.objective_s):
+            given_s = None if given is None else objective_s(self.problem, given)
+            if given_s is not None and (start is None or given_s < rounded.objective_s):
                 start = dict(given)
-                logger.info("ILP: branch and bound starts from the plan given, priced %.6g s",
-                            objective_s(self.problem, start))
+                logger.info("ILP: branch and bound starts from the plan given, priced %.6g s", given_s)
             else:
                 logger.info("ILP: branch and bound starts from %s", "the replicated plan" if rounded is None else rounded.stats)
         elif fractional:
@@ -568,17 +568,15 @@ class ShardingILP:
             # branch and bound starts from the relaxation's heaviest strategies with every layer recomputing: where
             # that fits the budget, it ends with a plan at worst (LLaMA-70B on 128x8 under 80 GB needed 100+ nodes)
             start = heaviest
-        if lp_status != highspy.HighsModelStatus.kOptimal and start is None and given is not None and not self.r:
-            start = dict(given)  # the relaxation did not finish in time: branch and bound ends with the plan given at worst
-            logger.warning("ILP: the LP relaxation stopped (%s) after %.1f s; branch and bound starts from the plan "
-                           "given", highs.modelStatusToString(lp_status), time.perf_counter() - started)
         if lp_status != highspy.HighsModelStatus.kOptimal and start is None:
-            # the relaxation did not finish in time: branch and bound starts from every class's first strategy (the
-            # replicated one: strategy sets start with it), so that it ends with that plan at worst instead of none;
-            # its status and gap say how far it got
-            start = {c: 0 for c in self.problem.classes}
-            logger.warning("ILP: the LP relaxation stopped (%s) after %.1f s; branch and bound starts from the "
-                           "replicated plan", highs.modelStatusToString(lp_status), time.perf_counter() - started)
+            # the relaxation did not finish in time: branch and bound starts from the plan given, else from every
+            # class's first strategy (the replicated one: strategy sets start with it), so that it ends with that plan
+            # at worst instead of none; its status and gap say how far it got
+            from_given = given is not None and not self.r
+            start = dict(given) if from_given else {c: 0 for c in self.problem.classes}
+            logger.warning("ILP: the LP relaxation stopped (%s) after %.1f s; branch and bound starts from the %s",
+                           highs.modelStatusToString(lp_status), time.perf_counter() - started,
+                           "plan given" if from_given else "replicated plan")
         if lp_status != highspy.HighsModelStatus.kOptimal or not self._integral(values):
             remaining = max(1.0, time_limit_s - (time.perf_counter() - started))
             highs, method = self._run(remaining, relax=False, start=start), "branch and bound"

@@ -410,9 +410,12 @@ def choice_in(source: Problem, choice: Mapping[int, int], target: Problem) -> di
     for c in target.classes:
         unit = target.units[c]
         row = rows.get(unit.members)
-        if row is None or row not in unit.strategies:
+        if row is None:
             return None
-        mapped[c] = unit.strategies.index(row)
+        try:
+            mapped[c] = unit.strategies.index(row)
+        except ValueError:  # the target offers that unit other strategies (another mesh)
+            return None
     return mapped
 
 
