@@ -333,19 +333,34 @@ def test_metadist_bench_passes_the_timing_to_the_harness():
 def test_op_costs_times_every_node_and_the_layout_copies_against_the_cost_models_price(capsys):
     """``python -m metadist.bench.op_costs``: a row per node of the captured step (and one per copy the runtime makes to
     follow the trace's layout, priced 0), each with the cost model's price and its time alone and in the step's order;
-    summed per operator."""
-    from metadist.bench.op_costs import CONTIGUOUS_COPY, by_op, main, measure
+    summed per operator. Mixtral's expert-weight gradients laid out as their weights are nodes of the step (relayout
+    clones, priced); a value the runtime makes contiguous that is not (here a transposed view named so) is a copy row."""
+    import torch
+
+    from metadist.bench.op_costs import CONTIGUOUS_COPY, _run_in_order, by_op, main, measure
+    from metadist.cost.compute import node_work
     from metadist.frontends.torch import capture_step
     from metadist.workloads import builtin_workload
 
     data = measure("mixtral-tiny", repeats=1, cluster_name="cpu-gloo")
     workload = builtin_workload("mixtral-tiny")
-    step = capture_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
-                        workload.batch)
+    optimizer = workload.optimizer(workload.model.parameters())
+    step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch)
+    graph = step.graph
     nodes = [row for row in data["nodes"] if row["op"] != CONTIGUOUS_COPY]
-    copies = [row for row in data["nodes"] if row["op"] == CONTIGUOUS_COPY]
-    assert [row["node"] for row in nodes] == [node.name for node in step.graph.nodes]
-    assert copies and all(row["node"].removesuffix(".contiguous()") in step.contiguous_values for row in copies)
+    assert [row["node"] for row in nodes] == [node.name for node in graph.nodes]
+    relayouts = {node.name for node in graph.nodes if node_work(graph, node).relayout}
+    assert relayouts and all(row["predicted_s"] > 0 for row in nodes if row["node"] in relayouts)
+    transposed = next(node.outputs[0].name for node in graph.nodes if node.op.target == "aten.transpose.int"
+                      and graph.value(node.input_names[0]).spec.rank == 3)
+    env = {gi.value.name: tensor for gi, tensor in zip(graph.inputs, step.gather_inputs(workload.model, optimizer,
+                                                                                          workload.batch))}
+    env.update(step.constants)
+    with torch.no_grad():
+        calls = _run_in_order(graph, env, step.contiguous_values | {transposed})
+    copies = [name for name, node, _ in calls if node is None]
+    assert f"{transposed}.contiguous()" in copies
+    assert all(name.removesuffix(".contiguous()") in step.contiguous_values | {transposed} for name in copies)
     assert all(row["measured_s"] > 0 and row["in_step_s"] > 0 for row in data["nodes"])
     assert all(row["predicted_s"] > 0 for row in nodes)
     grouped = by_op(data["nodes"])

@@ -403,6 +403,38 @@ def test_a_low_precision_matmul_is_priced_on_the_curve_of_its_layout():
     assert seconds["wgrad"] < seconds["fwd"] < seconds["igrad"]
 
 
+def test_a_transposed_copy_is_priced_per_element_and_an_allocation_writes_nothing():
+    """A copy of a transposed view into a row-major tensor (``.contiguous()``, a gradient laid out as its weight) reads
+    across rows: priced at the device's measured seconds per element of a relayout (calibration version 24); a copy
+    that keeps the layout at its bytes; an allocation at the fixed cost of an op alone, whatever its size."""
+    from metadist.cost.cluster import Device
+    from metadist.cost.compute import RELAYOUT
+    from metadist.ir import GraphInput, Graph, MetaOp, Node, Role, Value, ValueRef
+
+    graph = _layout_graph()
+    device = Device(peak_flops_per_s=1e12, memory_bandwidth_bytes_per_s=1e12, memory_capacity_bytes=1e9,
+                    op_overhead_s=1e-6, op_element_seconds={RELAYOUT: 1e-9, "tanh": 5e-9})
+    mesh = Mesh((1,))
+
+    def seconds(graph, name):
+        node = graph.node(name)
+        specs = [graph.value(value).spec for value in node.input_names]
+        replicated = NodeStrategy(choices=(AxisChoice("replicate"),), inputs=tuple((Replicate(),) for _ in specs),
+                                  outputs=((Replicate(),),))
+        return compute_seconds(node_work(graph, node), specs, [node.outputs[0].spec], replicated, mesh, device)
+
+    elements = 2 * 4 * 16 * 8
+    assert node_work(graph, graph.node("kc")).relayout and not node_work(graph, graph.node("kp")).relayout
+    assert seconds(graph, "kc") == pytest.approx(1e-6 + elements * 1e-9)
+    assert seconds(graph, "kp") == pytest.approx(1e-6 + 2 * elements * 2 / 1e12)  # its bytes in and out
+    empty = Node("fresh", MetaOp("aten.new_empty_strided.default"), (ValueRef("x"), (4096, 4096), (4096, 1)), (),
+                 (Value("fresh", TensorSpec((4096, 4096), "float32")),))
+    alloc = Graph(inputs=(GraphInput(Value("x", TensorSpec((8, 16), "float32")), Role.BATCH),), nodes=(empty,),
+                  outputs=())
+    assert node_work(alloc, empty).allocates
+    assert seconds(alloc, "fresh") == pytest.approx(1e-6)  # 64 MiB allocated, none of it written
+
+
 def test_a_skinny_matmul_takes_its_large_operand_at_the_stream_rate():
     from metadist.cost.cluster import Device
 
@@ -613,11 +645,12 @@ def test_calibrate_measures_gloo_on_two_processes():
     # and the rate a few-row matmul passes over its large operand, per dtype (version 4) and narrow layout (10)
     assert {dtype for dtype, _ in device.matmul_stream_bytes_per_s_by_dtype} == {"float32", "bfloat16", "float16"} | layouts
     assert device.matmul_stream_s("float32", 1.0) == pytest.approx(slowdown / report["device"]["matmul_stream_bytes_per_s"])
-    # and the seconds per element of the ops that compute more than they move (version 5)
+    # and the seconds per element of the ops that compute more than they move (version 5), and of a relayout (24)
     from metadist.cost.calibrate_worker import _element_ops
+    from metadist.cost.compute import RELAYOUT
     import torch
 
-    assert {op for op, _ in device.op_element_seconds} == set(_element_ops(torch.device("cpu")))
+    assert {op for op, _ in device.op_element_seconds} == set(_element_ops(torch.device("cpu"))) | {RELAYOUT}
     assert all(seconds > 0 for _, seconds in device.op_element_seconds)
     assert device.element_seconds("tanh") == pytest.approx(slowdown * report["device"]["op_element_s:tanh"])
 

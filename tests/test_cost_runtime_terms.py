@@ -101,8 +101,28 @@ def test_torch_ddp_is_priced_as_eager_compute_and_one_all_reduce_per_bucket():
     assert priced["compute_s"] == pytest.approx(dp["compute_s"] - len(graph.nodes) * 20e-6)
     assert priced["step_s"] == pytest.approx(priced["compute_s"] + one)
     assert sum(priced["comm_bytes_by_axis"].values()) == pytest.approx(sent)
-    # buckets of the cap: the gradients split into ceil(bytes / cap) all-reduces
-    assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=grads / 3)["collectives_by_kind"] == {"all_reduce": 3}
+    # buckets of a cap the user gave: each closed once it holds the cap, a parameter never split (4 of 8 KiB here)
+    assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=grads / 3)["collectives_by_kind"] == {"all_reduce": 2}
+    assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=grads / 8)["collectives_by_kind"] == {"all_reduce": 4}
+
+
+def test_torch_ddp_buckets_start_with_torchs_first_bucket_of_one_mib_and_never_split_a_parameter():
+    """From its second step DDP reduces in buckets rebuilt in the gradients' ready order (the last parameter's first):
+    with the default cap, a first bucket of 1 MiB (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``) then 25 MiB ones,
+    each closed once it holds its limit. bert-tiny's 2.2 MiB of gradients made 2 calls on the bench, where one was
+    priced; gpt2-small's 13, where ceil(bytes / cap) priced 19."""
+    from metadist.solver.baselines import DDP_FIRST_BUCKET_BYTES, ddp_buckets
+
+    mib = 1024.0 * 1024.0
+    assert DDP_FIRST_BUCKET_BYTES == mib
+    assert ddp_buckets([0.5 * mib, 0.7 * mib, 0.6 * mib], 25 * mib, mib) == pytest.approx([1.3 * mib, 0.5 * mib])
+    assert ddp_buckets([147 * mib] + [9 * mib] * 8, 25 * mib, mib) == [9 * mib, 27 * mib, 27 * mib, 9 * mib + 147 * mib]
+    assert ddp_buckets([0.1 * mib], 25 * mib, mib) == [0.1 * mib] and ddp_buckets([], 25 * mib, mib) == []
+    graph, rules = mlp_step(64, 512, 512, layers=3)  # six 1 MiB weights
+    cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=1e-3, op_overhead_s=30e-6)
+    dp = baseline_plan(graph, rules, cluster, "dp").estimate
+    assert torch_ddp_estimate(graph, cluster, dp)["collectives_by_kind"] == {"all_reduce": 2}  # 1 MiB, then 5 MiB
+    assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=25 * mib)["collectives_by_kind"] == {"all_reduce": 1}
 
 
 def _with_random_relu(graph):

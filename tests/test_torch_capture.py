@@ -327,9 +327,11 @@ class TransposedExperts(torch.nn.Module):
 
 
 def test_a_gradient_the_backward_lays_out_transposed_reaches_the_update_in_its_parameters_layout():
-    """MetaIR drops the layout contract's copy (its values are the gradient's); the gradient is made contiguous after
-    its op instead, so the optimizer's elementwise ops read a dense operand, as eagerly (on Mixtral's experts a
-    transposed operand made AdamW's lerp and addcmul 5-12x slower), with the same results as eager."""
+    """MetaIR keeps the layout contract's copy as a clone into the contiguous format (the fresh tensor it copied into
+    left out), so the optimizer's elementwise ops read a dense operand, as eagerly (on Mixtral's experts a transposed
+    operand made AdamW's lerp and addcmul 5-12x slower), and the cost model prices the copy as a relayout, with the
+    same results as eager."""
+    from metadist.cost.compute import node_work
     torch.manual_seed(0)
     workload = metadist.Workload(
         model=TransposedExperts(), batch={"x": torch.randn(4, 10, 16)},
@@ -342,8 +344,13 @@ def test_a_gradient_the_backward_lays_out_transposed_reaches_the_update_in_its_p
     lerps = [node for node in graph.nodes if node.op.target == "aten.lerp.Tensor"]
     assert len(lerps) == 1  # AdamW's first moment: lerp(exp_avg, grad, 1 - beta1)
     grad = lerps[0].input_names[1]
-    assert graph.producer(grad).op.target == "aten.transpose.int"  # the backward's layout, read by the update
+    relayout = graph.producer(grad)
+    assert relayout.op.target == "aten.clone.default"  # the gradient as its parameter lays out, read by the update
+    assert dict(relayout.kwargs)["memory_format"].value == "contiguous_format"
+    assert graph.producer(relayout.input_names[0]).op.target == "aten.transpose.int"  # of the backward's layout
+    assert node_work(graph, relayout).relayout  # priced as the transposed copy it is
     assert grad in step.contiguous_values
+    assert not [node for node in graph.nodes if "empty" in node.op.target]  # the tensor it copied into: unread, gone
     assert_same_as_eager(workload)
 
 

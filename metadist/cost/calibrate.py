@@ -340,7 +340,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 23
+CALIBRATION_VERSION = 24
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -371,7 +371,8 @@ IN_STEP_LONG_PHASE_OPS`, a third point of :attr:`.cluster.Link.sync_by_gap`), an
 fastest of several long stretches (:func:`.calibrate_worker._slowdown_of`); 22: a change tried and reverted (compute
 figures timed over windows), whose caches are not read; 23: where ranks share cores, the compute figures measured by one
 rank alone while the others wait (:func:`.calibrate_worker._roofline_alone`), so that the slowdown applies the sharing
-once. A cache of an older version is measured again, not read."""
+once; 24: the seconds per element of a relayout, a transposed operand copied into a row-major tensor
+(:data:`.compute.RELAYOUT`: the gradient layout copies). A cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -186,14 +186,28 @@ def _element_ops(device: torch.device) -> dict[str, Any]:
     }
 
 
+RELAYOUT_SHAPE = (1024, 1024)
+"""The float32 operand whose transposed copy times a relayout (:data:`metadist.cost.compute.RELAYOUT`): 4 MiB, past
+a core's own caches, as the gradient layout copies of Mixtral's experts are (4 MiB each). On this project's machine a
+transposed copy ran at 0.7 ns an element at 1 MiB and 0.9-1.2 at 4 MiB, in float32 and bfloat16 alike."""
+
+
 def _element_seconds(device: torch.device) -> dict[str, float]:
-    """``op_element_s:OP``: seconds per output element of each of :func:`_element_ops`, less the fixed cost of one
-    call (timed on a single element), which ``op_overhead_s`` prices."""
+    """``op_element_s:OP``: seconds per output element of each of :func:`_element_ops`, and of a relayout (a transposed
+    :data:`RELAYOUT_SHAPE` operand copied into a row-major tensor), less the fixed cost of one call (timed on a single
+    element), which ``op_overhead_s`` prices."""
+    from .compute import RELAYOUT
+
     one = torch.ones(1, device=device)
     floor = _per_call_seconds(lambda: torch.ops.aten.exp.default(one), device)
     elements = ELEMENT_OP_SHAPE[0] * ELEMENT_OP_SHAPE[1]
-    return {f"op_element_s:{name}": 1.0 / _net_rate(elements, _per_call_seconds(call, device), floor)
-            for name, call in _element_ops(device).items()}
+    figures = {f"op_element_s:{name}": 1.0 / _net_rate(elements, _per_call_seconds(call, device), floor)
+               for name, call in _element_ops(device).items()}
+    transposed = torch.randn(*RELAYOUT_SHAPE, device=device).t()
+    relayout = _per_call_seconds(lambda: torch.ops.aten.clone.default(transposed, memory_format=torch.contiguous_format),
+                                 device)
+    figures[f"op_element_s:{RELAYOUT}"] = 1.0 / _net_rate(transposed.numel(), relayout, floor)
+    return figures
 
 
 def _roofline(device: torch.device) -> dict[str, float]:

@@ -17,7 +17,9 @@ Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softm
 ``gelu``, random draws...) run far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an
 element on this project's machine, where its bytes at the measured bandwidth take 0.2. A calibrated device measures such ops' seconds per output element
 (``Device.op_element_seconds``), and a node of one is priced at least at that rate on its local output elements.
-View ops alias their input and cost no work. A random op costs its whole output on every rank whatever its strategy
+View ops alias their input and cost no work, and an allocation (``empty``...) writes none. A copy of a transposed
+operand into a row-major tensor (a gradient laid out as its weight, ``.contiguous()`` of a transposed view) reads it
+across its rows and is priced at its measured seconds per element (:func:`relayouts`). A random op costs its whole output on every rank whatever its strategy
 (every rank draws the whole tensor and keeps its slice, so that the shards hold what one device would draw), at its
 measured seconds per element where the device has them (a dropout mask's ``bernoulli`` draws far slower than its
 bytes move). Every
@@ -66,6 +68,14 @@ class Work:
     """A fused attention call (:class:`~.attention_times.AttentionCall`: where its query, key, value and mask are among
     the node's inputs): a device that timed its local shapes (:meth:`~.cluster.Device.measured_attention_s`) prices
     the node at that time."""
+    allocates: bool = False
+    """An allocation (``empty``, ``new_empty_strided``...): it writes nothing, so it costs only the fixed cost of an op
+    (a dead ``new_empty_strided`` of Mixtral's step, 4 MiB, took 0.03 ms where its bytes priced 0.54)."""
+    relayout: bool = False
+    """A copy into a row-major tensor of an operand whose last two dims are swapped (:func:`relayouts`): it reads
+    one operand across its rows, at the device's measured seconds per element of such a copy
+    (``Device.element_seconds(RELAYOUT)``): 0.7-1.8 ns an element on this project's machine in float32 and bfloat16 alike,
+    3-6x a straight copy's."""
     layout: str = ""
     """A matmul's operand layout (:func:`matmul_layout`): ``"nt"`` (its second operand a transposed view, as a
     linear layer's forward reads its weight), ``"tn"`` (its first, as a weight's gradient reads the activations) or
@@ -132,6 +142,13 @@ def op_name(target: str) -> str:
     return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]
 
 
+#: Ops that allocate their output and write nothing into it.
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+RELAYOUT = "relayout"
+"""The name under which a device keeps a relayout copy's seconds per element (:attr:`Work.relayout`)."""
+
+
 def node_work(graph: Graph, node: Node) -> Work:
     """FLOPs of the whole node: a per-family formula, else one FLOP per output element."""
     if node.op.is_view:
@@ -139,6 +156,10 @@ def node_work(graph: Graph, node: Node) -> Work:
     ins = [graph.value(name).spec.shape for name in node.input_names]
     outs = [value.spec.shape for value in node.output_values]
     name = op_name(node.op.target)
+    if name in _ALLOCATIONS:
+        return Work(flops=0.0, op=name, allocates=True)
+    if relayouts(graph, node):
+        return Work(flops=float(sum(_prod(shape) for shape in outs)), op=name, relayout=True)
     if node.op.is_random:
         return Work(flops=float(sum(_prod(shape) for shape in outs)), draws_whole=True, op=name)
     formula = _FLOPS.get(name)
@@ -177,6 +198,17 @@ def matmul_layout(graph: Graph, first: str, second: str) -> str:
     """
     flags = (_transposed(graph, first), _transposed(graph, second))
     return {(False, True): "nt", (True, False): "tn"}.get(flags, "")
+
+
+def relayouts(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` copies a transposed operand into a row-major tensor: a ``clone`` or ``_to_copy`` told
+    ``memory_format=torch.contiguous_format`` (``.contiguous()``, ``.to(..., memory_format=...)``, and the gradient
+    layout copies of :func:`metadist.frontends.torch.to_ir._lays_out_densely`) whose input's last two dims are swapped
+    (:func:`_transposed`). A copy that keeps its input's layout moves it straight, at its bytes' price."""
+    if op_name(node.op.target) not in _LAYOUT_PRESERVING_COPIES or not node.input_names:
+        return False
+    memory_format = dict(node.kwargs).get("memory_format")
+    return getattr(memory_format, "value", None) == "contiguous_format" and _transposed(graph, node.input_names[0])
 
 
 def _transposed(graph: Graph, value: str) -> bool:
@@ -285,7 +317,7 @@ def compute_seconds(
     device: Device,
 ) -> float:
     """Roofline time of the node's local work under ``strategy`` (seconds), on the rank with the largest pieces."""
-    if work.is_view:
+    if work.is_view or work.allocates:
         return device.op_overhead_s
     dtype = compute_dtype(input_specs, output_specs)
     if work.attention is not None and device.attention_seconds:
@@ -312,7 +344,7 @@ def compute_seconds(
                    memory_bytes / device.bandwidth_bytes_per_s(dtype, memory_bytes))
     if work.operands is not None and device.matmul_stream_bytes_per_s_by_dtype:
         roofline = max(roofline, device.matmul_stream_s(dtype, max(input_bytes[i] for i in work.operands), work.layout))
-    per_element = device.element_seconds(work.op) if work.op else 0.0
+    per_element = device.element_seconds(RELAYOUT if work.relayout else work.op) if work.op else 0.0
     if per_element:  # an op whose kernel computes more than it moves (exp, tanh, softmax): its measured rate
         roofline = max(roofline, per_element * sum(
             (spec.nbytes if work.draws_whole else local_nbytes(spec, sharding, mesh)) / spec.itemsize

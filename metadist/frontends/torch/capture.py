@@ -730,7 +730,8 @@ def _grads_without_copies(graph: Graph) -> Graph:
     replaced: dict[str, str] = {}
     for output in graph.outputs:
         node = graph.producer(output.name)
-        if output.role is Role.GRAD and node is not None and node.op.target == "aten.clone.default" and node.input_names:
+        if output.role is Role.GRAD and node is not None and node.op.target == "aten.clone.default" and node.input_names \
+                and not node.kwargs:  # a clone into another memory format lays the gradient out as its parameter
             replaced[output.name] = node.input_names[0]
     if not replaced:
         return graph

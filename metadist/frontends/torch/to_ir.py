@@ -16,6 +16,10 @@ from .errors import CaptureError
 
 __all__ = ["InputSlot", "fx_to_ir", "dtype_name", "op_target", "op_tags"]
 
+#: Ops that allocate a tensor and write nothing into it.
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
+                torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default}
+
 #: Ops that return their input unchanged in a functional graph; folded away.
 _IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
 
@@ -145,6 +149,7 @@ def fx_to_ir(
 
     multi_outputs: dict[torch.fx.Node, list[Value | None]] = {}
     contiguous: set[str] = set()
+    unread: set[str] = set()
     output_node = None
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -176,16 +181,21 @@ def fx_to_ir(
         if node.target in _IDENTITY_OPS:
             names[node] = names[node.args[0]]
             continue
+        relayout = None
         if node.target is torch.ops.aten.copy.default and _same_tensor_type(node.args[0], node.args[1]):
-            names[node] = names[node.args[1]]  # functional copy into a same-typed tensor: the source itself
-            if _lays_out_densely(node, node.args[1]):
-                contiguous.add(names[node.args[1]])
-            continue
+            if not _lays_out_densely(node, node.args[1]):
+                names[node] = names[node.args[1]]  # functional copy into a same-typed tensor: the source itself
+                continue
+            # the copy lays the source out densely (autograd's gradient layout contract): a copy each executor makes,
+            # so MetaIR states it as one (the cost model prices it, the runtime runs it) and drops the fresh tensor
+            relayout = (torch.ops.aten.clone.default, (node.args[1],), {"memory_format": torch.contiguous_format})
+            if isinstance(node.args[0], torch.fx.Node) and node.args[0].target in _ALLOCATIONS:
+                unread.add(node.args[0].name)
         if node.target is torch.ops.aten.copy_.default and node.args[0] in slot_of_placeholder:
             slot = slot_of_placeholder[node.args[0]]
             state_outputs.append(GraphOutput(names[node.args[1]], slot.role, replaces=slot.name, source=slot.key))
             continue
-        target, fx_args, fx_kwargs = _as_factory(node) or (node.target, node.args, _without_none_defaults(node))
+        target, fx_args, fx_kwargs = relayout or _as_factory(node) or (node.target, node.args, _without_none_defaults(node))
         where = f"node {node.name} ({op_target(target)})"
         args = tuple(_encode(arg, names, where) for arg in fx_args)
         kwargs = tuple((key, _encode(arg, names, where)) for key, arg in fx_kwargs.items())
@@ -214,6 +224,10 @@ def fx_to_ir(
     for value, (role, source) in zip(returned, output_roles):
         outputs.append(GraphOutput(names[value], role, source=source))
     outputs.extend(state_outputs)
+    if unread:  # the fresh tensors the gradient layout copies wrote into, where nothing else reads them
+        read = {name for node in nodes for name in node.input_names} | {output.name for output in outputs}
+        nodes = [node for node in nodes if not (node.name in unread and not any(
+            value is not None and value.name in read for value in node.outputs))]
     graph = Graph(inputs=tuple(inputs), nodes=tuple(nodes), outputs=tuple(outputs), name=name)
     graph, renamed = canonical_names(graph)  # names from the op sequence alone: an expanded capture gets the same ones
     return graph, constants, slots_all, frozenset(renamed.get(value, value) for value in contiguous)
@@ -256,8 +270,9 @@ def _lays_out_densely(copy: torch.fx.Node, source: torch.fx.Node) -> bool:
     """Whether a functional ``copy`` into a fresh contiguous tensor changes its ``source``'s layout: autograd's gradient
     layout contract (a gradient laid out as its parameter; a weight gradient is often a transposed matmul result).
 
-    MetaIR drops the copy (the values are the source's), so the source is made contiguous after its op instead
-    (``TorchStep.contiguous_values``): every reader then reads the layout the trace's readers read. Without it, AdamW's
-    updates of Mixtral's expert weights read their transposed gradients and took 5-12x the time of a dense operand
-    (``python -m metadist.bench.op_costs mixtral-mini``)."""
+    MetaIR keeps such a copy as ``clone(source, memory_format=torch.contiguous_format)`` (the fresh tensor it copied
+    into is left unread), so every reader reads the layout the trace's readers read, and the cost model prices the copy
+    as the node it is: Mixtral's four expert-weight gradients copied so took 3.7 ms of a 64 ms step on one process,
+    unpriced while the copy was a flag on the source (``python -m metadist.bench.op_costs mixtral-mini``). Without the
+    copy, AdamW's updates of those weights read their transposed gradients and took 5-12x the time of a dense operand."""
     return source.op == "call_function" and _is_contiguous(copy.meta.get("val")) and not _is_contiguous(source.meta.get("val"))
