@@ -119,14 +119,12 @@ def _with_step_matmuls(cluster: Any, graph: Any, ctx: RankContext) -> Any:
     others wait, then read from the cache by every rank. A cluster other than this machine's calibrated one is
     returned as it is."""
     from ..config import settings_from_env
-    from ..cost.attention_times import with_measured_attention
-    from ..cost.matmul_times import with_measured_matmuls
+    from ..cost.timed_shapes import with_measured_shapes
 
     cache_dir = settings_from_env().cache_dir
 
     def measured(measure: bool) -> Any:
-        priced = with_measured_matmuls(cluster, graph, cache_dir, measure=measure)
-        return with_measured_attention(priced, graph, cache_dir, measure=measure)
+        return with_measured_shapes(cluster, graph, cache_dir, measure=measure)
 
     if ctx.world_size == 1:
         return measured(True)

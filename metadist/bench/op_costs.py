@@ -79,11 +79,9 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
                         precision=precision)
     graph = step.graph
     if cluster_name is None:  # as a plan on this machine prices them: narrow matmuls and attention at their timed shapes
-        from ..cost.attention_times import with_measured_attention
-        from ..cost.matmul_times import with_measured_matmuls
+        from ..cost.timed_shapes import with_measured_shapes
 
-        cluster = with_measured_matmuls(cluster, graph, settings_from_env().cache_dir)
-        cluster = with_measured_attention(cluster, graph, settings_from_env().cache_dir)
+        cluster = with_measured_shapes(cluster, graph, settings_from_env().cache_dir)
     env: dict[str, Any] = {gi.value.name: tensor for gi, tensor in
                            zip(graph.inputs, step.gather_inputs(workload.model, optimizer, workload.batch))}
     env.update(step.constants)

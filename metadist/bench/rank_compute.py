@@ -192,9 +192,8 @@ def _clusters(graph: Any, mesh: Any, cluster_name: str | None = None) -> tuple[A
     step's measured matmuls and attention): ``cluster_name`` (a preset or a calibrated JSON file), or by default this
     machine's calibration (``METADIST_CPU_CLUSTER``), calibrating first where not cached."""
     from ..config import settings_from_env
-    from ..cost.attention_times import with_measured_attention
     from ..cost.calibrate import default_cpu_cluster
-    from ..cost.matmul_times import with_measured_matmuls
+    from ..cost.timed_shapes import with_measured_shapes
     from ..ir import Mesh
 
     settings = settings_from_env()
@@ -205,8 +204,7 @@ def _clusters(graph: Any, mesh: Any, cluster_name: str | None = None) -> tuple[A
         print(f"rank_compute: {text}", file=sys.stderr, flush=True)
 
     def measured(cluster: Any) -> Any:
-        cluster = with_measured_matmuls(cluster, graph, settings.cache_dir, measure=True)
-        return with_measured_attention(cluster, graph, settings.cache_dir, measure=True)
+        return with_measured_shapes(cluster, graph, settings.cache_dir)
 
     shared = measured(default_cpu_cluster(mesh, settings.cpu_cluster, settings.cache_dir, announce=announce))
     alone = measured(default_cpu_cluster(Mesh((1,)), settings.cpu_cluster, settings.cache_dir, announce=announce))

@@ -3,7 +3,8 @@
 :mod:`.matmul_times` (narrow-dtype matmuls) and :mod:`.attention_times` (fused attention) each list the local calls a
 step may run (their keys), time the ones missing from a per-machine cache file beside the calibration, and put the
 times into the device the cost model prices with (scaled by the calibration's sustained slowdown). This module is that
-common part: the cache file (:func:`read_times`, :func:`write_times`) and :func:`with_timed`.
+common part: the cache file (:func:`read_times`, :func:`write_times`) and :func:`with_timed`, and
+:func:`with_measured_shapes`, which prices a step on both.
 """
 
 from __future__ import annotations
@@ -68,3 +69,16 @@ def with_timed(cluster: Cluster, keys: Mapping[tuple, Any], path: Path, *, read:
     priced = {key: table[key] * device.sustained_slowdown for key in keys if key in table}
     merged = {**dict(getattr(device, field)), **priced}
     return replace(cluster, device=replace(device, **{field: tuple(sorted(merged.items()))}))
+
+
+def with_measured_shapes(cluster: Cluster, graph: Any, cache_dir: Path, *, measure: bool = True,
+                         announce: Callable[[str], None] | None = None) -> Cluster:
+    """``cluster`` with its device pricing ``graph``'s narrow-dtype matmuls
+    (:func:`~.matmul_times.with_measured_matmuls`) and its fused attention
+    (:func:`~.attention_times.with_measured_attention`) at their times on this machine: how a plan made here prices a
+    step. ``measure`` and ``announce`` as theirs."""
+    from .attention_times import with_measured_attention
+    from .matmul_times import with_measured_matmuls
+
+    cluster = with_measured_matmuls(cluster, graph, cache_dir, measure=measure, announce=announce)
+    return with_measured_attention(cluster, graph, cache_dir, measure=measure, announce=announce)

@@ -107,11 +107,9 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
         settings = settings_from_env()
         with phase("calibrate"):
             resolved = default_cpu_cluster(mesh, settings.cpu_cluster, settings.cache_dir, announce=_announce)
-            from ..cost.attention_times import with_measured_attention  # fused attention at its times here
-            from ..cost.matmul_times import with_measured_matmuls  # bfloat16/float16 matmuls at their times here
+            from ..cost.timed_shapes import with_measured_shapes  # narrow matmuls and fused attention at their times here
 
-            resolved = with_measured_matmuls(resolved, torch_step.graph, settings.cache_dir, announce=_announce)
-            resolved = with_measured_attention(resolved, torch_step.graph, settings.cache_dir, announce=_announce)
+            resolved = with_measured_shapes(resolved, torch_step.graph, settings.cache_dir, announce=_announce)
     else:
         resolved = resolve_cluster(cluster, mesh)
     with phase("solve"):

@@ -133,7 +133,7 @@ def ddp_buckets(param_bytes: Sequence[float], cap: float, first_cap: float) -> l
     order) taken from the last, the one the backward reaches first, each bucket closed once it holds at least its
     limit (``first_cap``, then ``cap``); a parameter is never split. On this project's bench the counts are the ones
     measured: bert-tiny 2 (1.08 and 1.12 MiB; ``ceil(bytes / cap)`` gave 1), mixtral-mini 2, gpt2-small 13 (its
-    largest parameter, the tied embedding, 147 MiB in one bucket; ``ceil`` gave 19)."""
+    tied embedding, 147 MiB, in the last bucket with the first layers', 168 MiB; ``ceil`` gave 19)."""
     buckets: list[float] = []
     filled = 0.0
     for size in reversed(param_bytes):
