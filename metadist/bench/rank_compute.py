@@ -163,8 +163,7 @@ def alone_s(layout: Any, shape: tuple[int, ...], window_s: float) -> float:
     """The first rank's median step of ``layout`` on a mesh of ``shape``, alone on the machine, in a forked process
     as :func:`at_once_s` runs each rank, so that the two columns differ by the sharing alone. Timed in this process
     instead, mixtral-mini's ranks (its plan in bfloat16, torch's eager step) ran 2.54-2.69x as long at once as
-    alone; both forked, 2.33-2.38x: a forked process ran its step up to 10 % slower than this one (bfloat16 plan:
-    36.7 ms against 33.3)."""
+    alone; both forked, 2.33-2.38x (the bfloat16 plan alone: 36.7 ms forked, 33.3 in the parent, one run each)."""
     return forked_s(layout, shape, window_s, [(0,) * len(shape)])[(0,) * len(shape)]
 
 
