@@ -225,12 +225,21 @@ def _clusters(graph: Any, mesh: Any, cluster_name: str | None = None) -> tuple[A
     return shared, replace(shared, device=alone.device)
 
 
+def _precision_refused(precision: str | None, layouts: tuple[str, ...]) -> str | None:
+    """Why ``precision`` cannot go with ``layouts`` (None where it can): torch's eager step runs as written."""
+    if precision is not None and "eager" in layouts:
+        return ("--precision applies to the plan and dp layouts (torch's eager step runs as written): "
+                "pass --layouts plan,dp")
+    return None
+
+
 def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], window_s: float,
             cluster_name: str | None = None, precision: str | None = None) -> dict[str, Any]:
     """The rows of one model: per layout, its compute priced alone and shared, and timed alone and at once;
     ``precision``: a mixed precision policy's name for the plan and dp layouts (not for ``eager``)."""
-    if precision is not None and "eager" in layouts:
-        raise ValueError("torch's eager step runs as written: --precision applies to the plan and dp layouts only")
+    refused = _precision_refused(precision, layouts)
+    if refused:
+        raise ValueError(refused)
     from ..frontends.torch.discovery import TorchExecutor
     from ..frontends.torch.repeat import capture_repeated_step
     from ..ir import Mesh
@@ -324,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layouts {args.layouts!r}: choose among {', '.join(LAYOUTS)}")
     if args.window_s <= 0:
         parser.error("--window-s must be positive")
-    if args.precision is not None and "eager" in layouts:
-        parser.error("--precision applies to the plan and dp layouts (torch's eager step runs as written): "
-                     "pass --layouts plan,dp")
+    refused = _precision_refused(args.precision, layouts)
+    if refused:
+        parser.error(refused)
     try:
         mesh = parse_mesh(args.mesh)
     except ValueError as error:

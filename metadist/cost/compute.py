@@ -207,8 +207,7 @@ def relayouts(graph: Graph, node: Node) -> bool:
     (:func:`_transposed`). A copy that keeps its input's layout moves it straight, at its bytes' price."""
     if op_name(node.op.target) not in _LAYOUT_PRESERVING_COPIES or not node.input_names:
         return False
-    memory_format = dict(node.kwargs).get("memory_format")
-    return getattr(memory_format, "value", None) == "contiguous_format" and _transposed(graph, node.input_names[0])
+    return node.memory_format == "contiguous_format" and _transposed(graph, node.input_names[0])
 
 
 def _transposed(graph: Graph, value: str) -> bool:
@@ -224,8 +223,7 @@ def _transposed(graph: Graph, value: str) -> bool:
             return flipped
         name = op_name(node.op.target)
         if name in _LAYOUT_PRESERVING_COPIES:
-            memory_format = dict(node.kwargs).get("memory_format")
-            if memory_format is not None and getattr(memory_format, "value", None) != "preserve_format":
+            if node.memory_format not in (None, "preserve_format"):
                 return flipped  # contiguous_format or channels_last: written row-major in its last dim
         elif not node.op.is_view:
             return flipped

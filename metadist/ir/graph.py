@@ -249,6 +249,12 @@ class Node:
     def output_values(self) -> tuple[Value, ...]:
         return tuple(value for value in self.outputs if value is not None)
 
+    @property
+    def memory_format(self) -> str | None:
+        """The memory format a copy is told (its ``memory_format`` keyword: ``"contiguous_format"``,
+        ``"preserve_format"``...); None where it is not told one."""
+        return getattr(dict(self.kwargs).get("memory_format"), "value", None)
+
     def __str__(self) -> str:
         outs = ", ".join("_" if value is None else str(value) for value in self.outputs)
         parts = [format_arg(arg) for arg in self.args]

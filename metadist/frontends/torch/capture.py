@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from ...gc_pause import gc_paused
-from ...ir import Graph, Node, PrecisionPolicy, Role
+from ...ir import Graph, PrecisionPolicy, Role
 from ...ir.expand import canonical_names
 from .aliasing import may_alias_argument
 from .errors import CaptureError
@@ -722,11 +722,6 @@ def _accumulated_grads(traced_params: dict[str, torch.Tensor], found: dict[str, 
 
 
 
-def _into_contiguous(node: Node) -> bool:
-    """Whether ``node`` (a copy) is told ``memory_format=torch.contiguous_format``."""
-    return getattr(dict(node.kwargs).get("memory_format"), "value", None) == "contiguous_format"
-
-
 def _grads_without_copies(graph: Graph) -> Graph:
     """Each ``grad`` output that is a copy (``clone``) of a value names the value itself (equal in a functional graph),
     and copies nothing else reads are dropped: the update then reads the very values marked as gradients."""
@@ -736,7 +731,7 @@ def _grads_without_copies(graph: Graph) -> Graph:
     for output in graph.outputs:
         node = graph.producer(output.name)
         if output.role is Role.GRAD and node is not None and node.op.target == "aten.clone.default" and node.input_names \
-                and not _into_contiguous(node):  # such a clone lays the gradient out as its parameter: kept
+                and node.memory_format != "contiguous_format":  # such a clone lays the gradient out as its parameter
             replaced[output.name] = node.input_names[0]
     if not replaced:
         return graph
