@@ -110,10 +110,84 @@ def test_calibrating_again_drops_the_timed_matmul_shapes(tmp_path, monkeypatch):
     from metadist.cost.matmul_times import table_path
 
     monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(calibrate_module, "calibrate",
-                        lambda nproc, mesh, sizes: (cluster_from_report(REPORT, mesh), REPORT))
+    told = {}
+
+    def calibrate(nproc, mesh, sizes, **options):
+        told.update(options)
+        return cluster_from_report(REPORT, mesh), REPORT
+
+    monkeypatch.setattr(calibrate_module, "calibrate", calibrate)
     stale = table_path(tmp_path)
     stale.parent.mkdir(parents=True)
     stale.write_text('{"format": "metadist-matmul-times", "version": 1, "times": []}')
     assert main(["calibrate", "--nproc", "2"]) == 0
     assert not stale.exists() and load_calibration(calibration_path(tmp_path, 2)) == REPORT
+    assert told["launches"] is None  # the default: decided by the processes per core (default_launches)
+    assert main(["calibrate", "--nproc", "2", "--launches", "2"]) == 0 and told["launches"] == 2
+
+
+def _launch(device: dict, seconds: float, **other) -> dict:
+    return {**REPORT, "world_size": 4, "mesh": [4], **other, "device": device,
+            "measurements": [{"axis": 0, "group_size": 4, "op": "all_reduce", "bytes": 4096, "seconds": seconds},
+                             {"axis": -1, "group_size": 2, "op": "all_gather", "bytes": 4096, "seconds": seconds / 4}]}
+
+
+def test_launches_merge_into_each_figures_median():
+    """Version 25: where processes share cores each figure is the median over several launches, so that one launch's
+    outlier (a captured step timed 1.5x the others') moves no price."""
+    from metadist.cost.calibrate import merge_reports
+
+    reports = [_launch({"captured_step_s": 0.9e-3, "in_step_collective_s:2": 5e-3, "matmul_curve:float32:4096": 2e10}, 3.7e-3,
+                       unsupported=[{"axis": 0, "group_size": 4, "op": "all_to_all", "reason": "not in this backend"}]),
+               _launch({"captured_step_s": 1.43e-3, "in_step_collective_s:2": 6e-3, "matmul_curve:float32:4096": 3e10}, 9.9e-3,
+                       unsupported=[{"axis": 0, "group_size": 4, "op": "all_to_all", "reason": "not in this backend"}]),
+               _launch({"captured_step_s": 1.0e-3, "in_step_collective_s:2": 2.7e-3}, 3.9e-3)]  # its curve stopped sooner
+    merged = merge_reports(reports)
+    assert merged["launches"] == 3 and merged["backend"] == "gloo" and merged["world_size"] == 4
+    assert merged["device"] == {"captured_step_s": 1.0e-3, "in_step_collective_s:2": 5e-3,
+                                "matmul_curve:float32:4096": pytest.approx(2.5e10)}  # the two launches that timed it
+    rows = {(row["axis"], row["op"]): row["seconds"] for row in merged["measurements"]}
+    assert rows == {(0, "all_reduce"): 3.9e-3, (-1, "all_gather"): pytest.approx(3.9e-3 / 4)}
+    assert all(row["group_size"] in (2, 4) and row["bytes"] == 4096 for row in merged["measurements"])
+    assert [item["op"] for item in merged["unsupported"]] == ["all_to_all"]
+    assert merge_reports(reports[:1])["device"] == reports[0]["device"]
+    with pytest.raises(ClusterError, match="different setups .*world_size"):
+        merge_reports([reports[0], {**reports[1], "world_size": 2}])
+    with pytest.raises(ValueError):
+        merge_reports([])
+
+
+def test_processes_that_outnumber_the_cores_calibrate_over_three_launches(tmp_path, monkeypatch):
+    import metadist.cost.calibrate as calibrate_module
+    from metadist.cost.calibrate import SHARED_CORE_LAUNCHES, default_launches, run_workers
+
+    monkeypatch.setattr(calibrate_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert SHARED_CORE_LAUNCHES == 3 and default_launches(4) == 3 and default_launches(2) == default_launches(1) == 1
+    launched = []
+
+    def launch(nproc, mesh, sizes, timeout_s):
+        launched.append(nproc)
+        fixed = (4e-3, 9e-3, 3e-3)[(len(launched) - 1) % 3]
+        rows = [{"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": fixed / (4 // size) + nbytes / 1e9}
+                for axis, size in ((0, 4), (-1, 2)) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+                for nbytes in (4096, 1 << 20)]
+        device = {**REPORT["device"], "captured_nodes": 100.0, "captured_roofline_s": 1e-5,
+                  "captured_step_s": (1.0e-3, 1.43e-3, 0.9e-3)[(len(launched) - 1) % 3]}
+        return {**REPORT, "world_size": 4, "mesh": [4], "device": device, "measurements": rows}
+
+    monkeypatch.setattr(calibrate_module, "_launch_workers", launch)
+    seen = []
+    report = run_workers(4, Mesh((4,)), "4096", on_launch=lambda index, total: seen.append((index, total)))
+    assert launched == [4, 4, 4] and seen == [(1, 3), (2, 3), (3, 3)]
+    assert report["launches"] == 3 and report["device"]["captured_step_s"] == 1.0e-3
+    launched.clear()
+    assert "launches" not in run_workers(4, Mesh((4,)), "4096", launches=1) and launched == [4]  # one launch: as measured
+    with pytest.raises(ClusterError, match="--launches 1 or more"):
+        run_workers(4, Mesh((4,)), "4096", launches=0)
+    # the first use says so, and caches the merged report
+    launched.clear()
+    told = []
+    cluster = machine_cluster(Mesh((2, 2)), tmp_path, announce=told.append)
+    assert launched == [4, 4, 4] and "the median of 3 launches" in told[0]
+    assert cluster.device.op_overhead_s == pytest.approx((1.0e-3 - 1e-5) / 100)  # the median launch's step, not 1.43 ms
+    assert load_calibration(calibration_path(tmp_path, 4))["launches"] == 3

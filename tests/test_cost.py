@@ -592,7 +592,10 @@ def test_where_ranks_share_cores_one_rank_measures_the_compute_figures_alone_and
         "assert not worker._MEASURING_ALONE\n"
         "assert worker._any_rank(dist.get_rank() == 1, torch.device('cpu'))  # together again: rank 1's flag reaches 0\n"
         "dist.barrier()\n"
-        f"open({str(tmp_path)!r} + f'/ok{{dist.get_rank()}}', 'w').close()\n")
+        f"open({str(tmp_path)!r} + f'/ok{{dist.get_rank()}}', 'w').close()\n"
+        # torn down together: a rank that exits holding its gloo group may abort when its peer closes first
+        "dist.barrier()\n"
+        "dist.destroy_process_group()\n")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mesh", help="mesh shape over the processes, e.g. 2x2 (default: one axis of N)")
     parser.add_argument("--sizes", help="message sizes in bytes, comma-separated (default: 4 KiB to 32 MiB, "
                         "metadist.cost.calibrate.FULL_SIZES)")
+    parser.add_argument("--launches", type=int, help="launch the workers this many times and keep each figure's median "
+                        "(default: 3 where the processes outnumber this machine's cores, else 1)")
     parser.add_argument("--json", metavar="FILE", help="write the cluster JSON to FILE")
     parser.set_defaults(handler=run)
 
@@ -38,7 +40,13 @@ def run(args: argparse.Namespace) -> int:
     from ..solver import errors  # noqa: F401  (its USER_ERRORS, ClusterError included, are the CLI's user errors)
 
     mesh = Mesh.parse(args.mesh) if args.mesh else Mesh((args.nproc,))
-    cluster, report = calibrate(args.nproc, mesh, args.sizes or FULL_SIZES)
+    console = Console()
+    with console.status(f"calibrating {args.nproc} processes") as status:
+        def on_launch(index: int, launches: int) -> None:
+            if launches > 1:
+                status.update(f"calibrating {args.nproc} processes: launch {index} of {launches} (each figure the median over them)")
+
+        cluster, report = calibrate(args.nproc, mesh, args.sizes or FULL_SIZES, launches=args.launches, on_launch=on_launch)
     cached = None
     if mesh.ndim == 1 and report["backend"] == "gloo":
         from ..config import settings_from_env
@@ -50,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
         # the matmul shapes timed at the last calibration's speed (metadist.cost.matmul_times): timed again on use
         table_path(settings_from_env().cache_dir).unlink(missing_ok=True)
-    console = Console()
-    table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}")
+    over = f", the median of {report['launches']} launches" if report.get("launches", 1) > 1 else ""
+    table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}{over}")
     for column in ("axis", "size", "per call", "in-step wait", "latency per step", "bandwidth", "reduce-scatter"):
         table.add_column(column, justify="right")
     for name, size, link in zip(mesh.axis_names, mesh.shape, cluster.axis_links):

@@ -15,8 +15,13 @@ the fixed seconds of one op come from a small captured step run by the runtime
 (:func:`runtime_op_overhead`), and each link's ``sync_s`` from an all-reduce issued between compute
 phases (:func:`collective_sync_s`).
 
+**Launches.** Where the processes outnumber the host's cores, the calibration launches its workers
+:data:`SHARED_CORE_LAUNCHES` times and keeps each figure's median over the launches (:func:`merge_reports`): which
+processes share a core is settled by the scheduler anew in each launch, and one launch's figures could be far off
+(:func:`default_launches`).
+
 **Cache.** :func:`machine_cluster` measures this machine the first time a CPU run or benchmark
-plans on it (one progress line; 15 s on 2 processes, 40 s on 4, on this project's 2-core machine) and keeps the report in ``<cache dir>/calibration/``, keyed
+plans on it (one progress line; 15 s on 2 processes, 2 minutes on 4 (three launches), on this project's 2-core machine) and keeps the report in ``<cache dir>/calibration/``, keyed
 by a fingerprint of the machine (processor model, core count, memory; no host name), the torch
 version, the backend and the process count; ``metadist calibrate`` measures again and replaces it.
 """
@@ -28,12 +33,13 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -301,10 +307,80 @@ def _host_memory_bytes() -> float:
         return 8e9
 
 
-def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Launch ``nproc`` local workers with torchrun and return rank 0's report."""
+SHARED_CORE_LAUNCHES = 3
+"""Launches of the calibration's workers where the processes outnumber the host's cores (:func:`default_launches`).
+
+On 4 gloo processes sharing this project's 2 cores, single launches a few minutes apart timed a pair's in-step
+all-reduce at 4.5-6.6 ms, the 4 processes' at 7.1-9.8 ms, and the runtime's captured calibration step at 0.90-1.03
+ms; one launch timed a pair's isolated 4 KiB all-reduce at 2.0 ms (others 0.2-0.5), which put its pairs' in-step
+wait at 2.7 ms where others gave 5.1-6.2, and another the captured step at 1.43 ms, which priced the same gpt2-tiny
+plan at 24.4 ms where a launch with the usual figures had priced it at 18.9 (it ran 19.4). Within a launch the scheduler keeps which processes share
+a core; each launch settles it anew, as each benchmark or run does, so the median over three launches drops a
+launch's outlier and lands on the usual placement's figures."""
+
+
+def default_launches(nproc: int) -> int:
+    """How many launches a calibration of ``nproc`` local processes takes each figure's median over:
+    :data:`SHARED_CORE_LAUNCHES` where they outnumber the cores this process may run on, else 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SHARED_CORE_LAUNCHES if nproc > cores else 1
+
+
+def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One report from the reports of several launches of the same calibration: each device figure and each
+    collective's seconds (by axis, group size, kind and bytes) is the median over the launches that measured it (a
+    curve whose timing stopped at a smaller size in one launch has that size's point from the others), each
+    unsupported collective is listed once, and ``launches`` says how many there were.
+
+    The launches must agree on what they ran (backend, processes, mesh, device): anything else is an internal error."""
+    if not reports:
+        raise ValueError("merge_reports needs at least one report")
+    first = reports[0]
+    same = ("backend", "world_size", "mesh", "device_name", "memory_capacity_bytes")
+    for report in reports[1:]:
+        differing = [key for key in same if report.get(key) != first.get(key)]
+        if differing:
+            raise ClusterError(f"internal: the calibration's launches measured different setups ({', '.join(differing)})")
+    figures: dict[str, list[float]] = {}
+    timings: dict[tuple, list[float]] = {}
+    unsupported: dict[tuple, Mapping[str, Any]] = {}
+    for report in reports:
+        for key, value in report["device"].items():
+            figures.setdefault(key, []).append(float(value))
+        for row in report["measurements"]:
+            timings.setdefault((row["axis"], row["group_size"], row["op"], row["bytes"]), []).append(float(row["seconds"]))
+        for item in report.get("unsupported", ()):
+            unsupported.setdefault((item["axis"], item["group_size"], item["op"]), item)
+    merged = {key: first[key] for key in first if key not in ("device", "measurements", "unsupported", "launches")}
+    merged["device"] = {key: statistics.median(values) for key, values in figures.items()}
+    merged["measurements"] = [{"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": statistics.median(values)}
+                              for (axis, size, op, nbytes), values in timings.items()]
+    merged["unsupported"] = list(unsupported.values())
+    merged["launches"] = len(reports)
+    return merged
+
+
+def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0, launches: int | None = None,
+                on_launch: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Launch ``nproc`` local workers with torchrun ``launches`` times (:func:`default_launches` by default) and return
+    rank 0's report, merged over the launches by :func:`merge_reports` where there are several. ``on_launch(index,
+    launches)`` is told before each launch (index from 1)."""
     if mesh.size != nproc:
         raise ClusterError(f"mesh {mesh} has {mesh.size} devices but --nproc is {nproc}; make them agree")
+    launches = default_launches(nproc) if launches is None else launches
+    if launches < 1:
+        raise ClusterError(f"a calibration takes at least one launch of its workers, got {launches}; pass --launches 1 or more")
+    reports = []
+    for index in range(1, launches + 1):
+        logger.info("calibration launch %d of %d", index, launches)
+        if on_launch is not None:
+            on_launch(index, launches)
+        reports.append(_launch_workers(nproc, mesh, sizes, timeout_s))
+    return reports[0] if launches == 1 else merge_reports(reports)
+
+
+def _launch_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float) -> dict[str, Any]:
+    """One torchrun launch of the calibration's workers: rank 0's report."""
     with tempfile.TemporaryDirectory(prefix="metadist-calibrate-") as folder:
         out = Path(folder) / "report.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -330,17 +406,18 @@ def _fresh_launch_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in launch and not key.startswith("TORCHELASTIC_")}
 
 
-def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES) -> tuple[Cluster, dict[str, Any]]:
-    """Measure this machine: the fitted cluster and the raw report."""
+def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, launches: int | None = None,
+              on_launch: Callable[[int, int], None] | None = None) -> tuple[Cluster, dict[str, Any]]:
+    """Measure this machine: the fitted cluster and the raw report (merged over ``launches``, :func:`run_workers`)."""
     mesh = mesh or Mesh((nproc,))
-    report = run_workers(nproc, mesh, sizes)
+    report = run_workers(nproc, mesh, sizes, launches=launches, on_launch=on_launch)
     return cluster_from_report(report, mesh), report
 
 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 24
+CALIBRATION_VERSION = 25
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -372,7 +449,9 @@ fastest of several long stretches (:func:`.calibrate_worker._slowdown_of`); 22: 
 figures timed over windows), whose caches are not read; 23: where ranks share cores, the compute figures measured by one
 rank alone while the others wait (:func:`.calibrate_worker._roofline_alone`), so that the slowdown applies the sharing
 once; 24: the seconds per element of a relayout, a transposed operand copied into a row-major tensor
-(:data:`.compute.RELAYOUT`: the gradient layout copies). A cache of an older version is measured again, not read."""
+(:data:`.compute.RELAYOUT`: the gradient layout copies); 25: where the processes outnumber the cores, each figure the
+median over :data:`SHARED_CORE_LAUNCHES` launches (:func:`merge_reports`). A cache of an older version is measured
+again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:
@@ -450,10 +529,12 @@ def machine_cluster(mesh: Mesh, cache_dir: Path, *, sizes: str = QUICK_SIZES, an
     path = calibration_path(cache_dir, nproc)
     report = load_calibration(path)
     if report is None:
+        launches = default_launches(nproc)
         if announce is not None:
-            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, under a minute on a few processes, once; "
-                     f"cached in {path} (`metadist calibrate --nproc {nproc}` measures again)")
-        report = run_workers(nproc, Mesh((nproc,)), sizes)
+            over = f", the median of {launches} launches (the processes outnumber the cores)" if launches > 1 else ""
+            announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, under a minute a launch on a few "
+                     f"processes{over}, once; cached in {path} (`metadist calibrate --nproc {nproc}` measures again)")
+        report = run_workers(nproc, Mesh((nproc,)), sizes, launches=launches)
         save_calibration(path, report, nproc)
     return cluster_over_mesh(report, mesh)
 
