@@ -21,9 +21,10 @@ processes share a core is settled by the scheduler anew in each launch, and one 
 (:func:`default_launches`).
 
 **Cache.** :func:`machine_cluster` measures this machine the first time a CPU run or benchmark
-plans on it (one progress line; 15 s on 2 processes, 2 minutes on 4 (three launches), on this project's 2-core machine) and keeps the report in ``<cache dir>/calibration/``, keyed
-by a fingerprint of the machine (processor model, core count, memory; no host name), the torch
-version, the backend and the process count; ``metadist calibrate`` measures again and replaces it.
+plans on it (one progress line; 15 s on 2 processes, 2 minutes on 4 (three launches), on this project's 2-core
+machine) and keeps the report in ``<cache dir>/calibration/``, keyed by a fingerprint of the machine (processor
+model, core count, memory; no host name), the torch version, the backend and the process count; ``metadist
+calibrate`` measures again and replaces it.
 """
 
 from __future__ import annotations
@@ -312,11 +313,11 @@ SHARED_CORE_LAUNCHES = 3
 
 On 4 gloo processes sharing this project's 2 cores, single launches a few minutes apart timed a pair's in-step
 all-reduce at 4.5-6.6 ms, the 4 processes' at 7.1-9.8 ms, and the runtime's captured calibration step at 0.90-1.03
-ms; one launch timed a pair's isolated 4 KiB all-reduce at 2.0 ms (others 0.2-0.5), which put its pairs' in-step
-wait at 2.7 ms where others gave 5.1-6.2, and another the captured step at 1.43 ms, which priced the same gpt2-tiny
-plan at 24.4 ms where a launch with the usual figures had priced it at 18.9 (it ran 19.4). Within a launch the scheduler keeps which processes share
-a core; each launch settles it anew, as each benchmark or run does, so the median over three launches drops a
-launch's outlier and lands on the usual placement's figures."""
+ms. One launch timed a pair's isolated 4 KiB all-reduce at 2.0 ms (others 0.2-0.5), which put its pairs' in-step
+wait at 2.7 ms where others gave 5.1-6.2; another timed the captured step at 1.43 ms, which priced a gpt2-tiny plan
+at 24.4 ms where a launch with the usual figures had priced it at 18.9 (it ran 19.4). Within a launch the scheduler
+keeps which processes share a core; each launch (each benchmark or run too) settles it anew, and the median over
+three launches drops one launch's outlier."""
 
 
 def default_launches(nproc: int) -> int:
