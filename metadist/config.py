@@ -79,3 +79,10 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
         cache_dir = platformdirs.user_cache_dir("metadist")
     return Settings(cache_dir=Path(cache_dir), cpu_cluster=env.get(CPU_CLUSTER_ENV, "").strip() or CALIBRATED,
                     host_heap=env.get(HOST_HEAP_ENV, "").strip() or "keep")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the system reports one (Linux), else the CPU count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

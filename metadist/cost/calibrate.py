@@ -323,8 +323,9 @@ three launches drops one launch's outlier."""
 def default_launches(nproc: int) -> int:
     """How many launches a calibration of ``nproc`` local processes takes each figure's median over:
     :data:`SHARED_CORE_LAUNCHES` where they outnumber the cores this process may run on, else 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return SHARED_CORE_LAUNCHES if nproc > cores else 1
+    from ..config import usable_cores
+
+    return SHARED_CORE_LAUNCHES if nproc > usable_cores() else 1
 
 
 def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -465,8 +465,9 @@ def core_sharing() -> float:
     """
     import os
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * torch.get_num_threads() / max(cores, 1)
+    from ..config import usable_cores
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * torch.get_num_threads() / max(usable_cores(), 1)
 
 
 class _CalibrationMLP(torch.nn.Module):

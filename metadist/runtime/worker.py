@@ -253,10 +253,11 @@ def local_cores():
     """
     import os
 
+    from ..config import usable_cores
+
     before = torch.get_num_threads()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(before, min(cores, before * local)))
+    torch.set_num_threads(max(before, min(usable_cores(), before * local)))
     try:
         yield
     finally:

@@ -58,11 +58,9 @@ def worker_count(executor: Any, pending: int) -> int:
     """How many worker processes to discover ``pending`` signatures with (0 or 1: discover in this process)."""
     if not callable(getattr(executor, "worker_env", None)):
         return 0
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(0, min(cpus, MAX_WORKERS, pending // SIGNATURES_PER_WORKER))
+    from ..config import usable_cores
+
+    return max(0, min(usable_cores(), MAX_WORKERS, pending // SIGNATURES_PER_WORKER))
 
 
 class WorkerPool:
