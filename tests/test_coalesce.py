@@ -272,6 +272,7 @@ def test_a_lowered_program_is_priced_one_call_per_bucket():
     program's own count (``predicted_comm``), which the runs measure."""
     from metadist.cost import cluster_for
     from metadist.cost.comm import priced_collective, program_comm
+    from metadist.cost.compute import copy_seconds
 
     graph = _grads_graph(3, size=1024)
     mesh = Mesh((2,))
@@ -283,7 +284,9 @@ def test_a_lowered_program_is_priced_one_call_per_bucket():
     one, sent = priced_collective("all_reduce", 3 * 4096, 2, link)
     alone = priced_collective("all_reduce", 4096, 2, link)[0]
     assert priced["coalesced"] == {"comm_s_by_axis": {"axis0": pytest.approx(one)}, "comm_bytes_by_axis": {"axis0": sent},
-                                   "collectives_by_kind": {"all_reduce": 1}}
+                                   "collectives_by_kind": {"all_reduce": 1}, "copy_s": pytest.approx(
+                                       2 * copy_seconds(cluster.device, "float32", 3 * 1024))}  # packed, then cloned
+    assert priced["separate"]["copy_s"] == pytest.approx(3 * copy_seconds(cluster.device, "float32", 1024))
     assert priced["separate"]["comm_s_by_axis"]["axis0"] == pytest.approx(3 * alone)
     assert priced["separate"]["collectives_by_kind"] == {"all_reduce": 3}
     assert 3 * alone - one == pytest.approx(2 * (alone - priced_collective("all_reduce", 4096, 2, link, fixed_share=0.0)[0]))

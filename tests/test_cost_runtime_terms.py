@@ -90,6 +90,8 @@ def test_the_ilp_objective_equals_the_estimate_with_the_sync_cost_and_avoids_wha
 
 
 def test_torch_ddp_is_priced_as_eager_compute_and_one_all_reduce_per_bucket():
+    from metadist.cost.compute import copy_seconds
+
     graph, rules = mlp_step(64, 32, 64, layers=2)
     cluster = _synced("cpu-gloo", Mesh((2,)), sync_s=1e-3, op_overhead_s=30e-6)
     cluster = replace(cluster, device=replace(cluster.device, eager_op_overhead_s=10e-6))
@@ -99,7 +101,10 @@ def test_torch_ddp_is_priced_as_eager_compute_and_one_all_reduce_per_bucket():
     one, sent = collective_seconds("all_reduce", grads, 2, cluster.link(0))
     assert priced["collectives_by_kind"] == {"all_reduce": 1} and priced["comm_s"] == pytest.approx(one)
     assert priced["compute_s"] == pytest.approx(dp["compute_s"] - len(graph.nodes) * 20e-6)
-    assert priced["step_s"] == pytest.approx(priced["compute_s"] + one)
+    # each gradient copied into its bucket (divided as it goes) and the reduced bucket copied back
+    copies = 2 * copy_seconds(cluster.device, "float32", grads / 4)
+    assert priced["copy_s"] == pytest.approx(copies) and copies > 2 * cluster.device.op_overhead_s
+    assert priced["step_s"] == pytest.approx(priced["compute_s"] + one + copies)
     assert sum(priced["comm_bytes_by_axis"].values()) == pytest.approx(sent)
     # buckets of a cap the user gave: each closed once it holds the cap, a parameter never split (4 of 8 KiB here)
     assert torch_ddp_estimate(graph, cluster, dp, bucket_cap_bytes=grads / 3)["collectives_by_kind"] == {"all_reduce": 2}

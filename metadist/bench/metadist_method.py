@@ -359,13 +359,14 @@ def _program_estimate(estimate: Mapping[str, Any], program: Any, cluster: Any,
     """The plan's step as its lowered rank program runs it: the solver's compute, and the program's collective calls
     each priced once (:func:`metadist.cost.comm.program_comm`: a bucket pays one call's fixed cost, where the solver
     shares it by an estimate), each call's wait priced by the program's compute before it where the cluster measured
-    that (``node_seconds``); the solver's own figure kept as ``solver_step_s``."""
+    that (``node_seconds``), and the copies the runtime makes around the calls (``copy_s``: packing, unpacking, an
+    all-reduce's clone, local slices); the solver's own figure kept as ``solver_step_s``."""
     from ..cost.comm import program_comm
 
     summary = _estimate_summary(estimate)
     comm = program_comm(program, cluster, node_seconds)
     comm_s = sum(comm["comm_s_by_axis"].values())
-    return summary | {"step_s": summary["compute_s"] + comm_s, "comm_s": comm_s,
+    return summary | {"step_s": summary["compute_s"] + comm_s + comm["copy_s"], "comm_s": comm_s, "copy_s": comm["copy_s"],
                       "comm_bytes": float(sum(comm["comm_bytes_by_axis"].values())),
                       "collectives_by_kind": comm["collectives_by_kind"], "solver_step_s": summary["step_s"]}
 
@@ -384,4 +385,5 @@ def _estimate_summary(estimate: Mapping[str, Any]) -> dict[str, Any]:
         "memory_bytes": number("memory_bytes_peak"),
         "collectives_by_kind": dict(estimate.get("collectives_by_kind", {})),
         "cluster": str(estimate.get("cluster", "")),
-    } | ({"dtensor_s": float(estimate["dtensor_s"])} if "dtensor_s" in estimate else {})
+    } | ({"dtensor_s": float(estimate["dtensor_s"])} if "dtensor_s" in estimate else {}) \
+      | ({"copy_s": float(estimate["copy_s"])} if "copy_s" in estimate else {})

@@ -292,7 +292,15 @@ def program_comm(program, cluster: Cluster, node_seconds: Mapping[str, float] | 
     ``node_seconds`` (graph node name -> its compute seconds): with it, on a link that measured
     :attr:`.cluster.Link.sync_by_gap`, each call's wait is priced by the compute the program runs since the previous
     call (:func:`sync_corrections`).
+
+    ``copy_s``: the copies the runtime makes around the program's reshards beside the collectives' own transfers
+    (:func:`metadist.lowering.copies.program_copies`: an all-reduce's functional clone, a coalesced call's packing and
+    an all-gather's unpacking, local slices), each priced as a copy of its elements on the cluster's device
+    (:func:`.compute.copy_seconds`). The calibration times each collective on a buffer already laid out for it.
     """
+    from ..lowering.copies import program_copies
+    from .compute import copy_seconds
+
     names = cluster.mesh.axis_names
     seconds = {name: 0.0 for name in names}
     sent_bytes = {name: 0.0 for name in names}
@@ -309,4 +317,6 @@ def program_comm(program, cluster: Cluster, node_seconds: Mapping[str, float] | 
         waits = [(before, 1.0, cluster.link(axis)) for before, (_, axis, _) in zip(gaps, ordered)]
         for (_, axis, _), correction in zip(ordered, sync_corrections(waits, gaps[-1])):
             seconds[names[axis]] += correction
-    return {"comm_s_by_axis": seconds, "comm_bytes_by_axis": sent_bytes, "collectives_by_kind": dict(sorted(calls.items()))}
+    copy_s = sum(copy_seconds(cluster.device, dtype, elements) for dtype, elements in program_copies(program))
+    return {"comm_s_by_axis": seconds, "comm_bytes_by_axis": sent_bytes, "collectives_by_kind": dict(sorted(calls.items())),
+            "copy_s": copy_s}

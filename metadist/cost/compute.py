@@ -397,3 +397,12 @@ def compute_dtype(input_specs: Sequence[TensorSpec], output_specs: Sequence[Tens
         if spec is not None and spec.dtype.startswith(_FLOATING):
             return spec.dtype
     return "float32"
+
+
+def copy_seconds(device: Device, dtype: str, elements: float) -> float:
+    """One straight copy of ``elements`` elements of ``dtype`` (read once, written once), priced as a layout-keeping
+    ``clone`` node is: the op's fixed cost and its bytes at the device's elementwise rate for that many bytes."""
+    from ..ir import DTYPE_BYTES
+
+    moved = 2.0 * elements * DTYPE_BYTES[dtype]
+    return device.op_overhead_s + moved / device.bandwidth_bytes_per_s(dtype, moved)

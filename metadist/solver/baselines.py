@@ -160,10 +160,15 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     runtime's, plus the buckets' all-reduces, each paying its full fixed cost and its in-step wait at the compute
     before it, the calls spread evenly over the step (:func:`spread_waits`). No overlap with the
     backward is assumed (on CPU processes sharing cores, gloo's threads take cores the backward needs).
+    Each bucket also pays two copies of its gradients (``copy_s``): DDP (``gradient_as_bucket_view=False``, its
+    default) writes each gradient into its bucket, divided by the world size as it goes, and copies the reduced bucket
+    back into the gradients (:func:`metadist.cost.compute.copy_seconds`).
     With ``dp_plan`` (the ``dp`` layout's plan), random ops are priced as DDP draws them, each rank its own share
     (:func:`eager_random_discount`); the layout's estimate prices them whole, as MetaDist's runtime draws them.
     """
     from ..cost.comm import collective_seconds
+    from ..cost.compute import copy_seconds
+    from ..ir import DTYPE_BYTES
     from ..lowering.coalesce import DEFAULT_BUCKET_CAP_BYTES
 
     cap = float(DEFAULT_BUCKET_CAP_BYTES if bucket_cap_bytes is None else bucket_cap_bytes)
@@ -173,11 +178,15 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     pieces = ddp_buckets([float(item.value.spec.nbytes) for item in graph.inputs if item.role is Role.PARAM], cap,
                          DDP_FIRST_BUCKET_BYTES if bucket_cap_bytes is None else cap) if world > 1 else []
     buckets = len(pieces)
+    dtypes = {item.value.spec.dtype for item in graph.inputs if item.role is Role.PARAM}
+    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    copy_s = 0.0
     for piece in pieces:
         seconds, sent = collective_seconds("all_reduce", piece, world, cluster.link(0))
         comm_s, comm_bytes = comm_s + seconds, comm_bytes + sent
+        copy_s += 2 * copy_seconds(cluster.device, dtype, piece / DTYPE_BYTES[dtype])
     comm_s += spread_waits(compute_s, buckets, [cluster.link(0)] * buckets)
-    return {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+    return {"step_s": compute_s + comm_s + copy_s, "compute_s": compute_s, "comm_s": comm_s, "copy_s": copy_s,
             "comm_bytes_by_axis": {cluster.mesh.axis_names[0]: comm_bytes},
             "memory_bytes_peak": dp_estimate.get("memory_bytes_peak"),
             "collectives_by_kind": {"all_reduce": buckets} if buckets else {}, "cluster": cluster.name}
