@@ -505,3 +505,22 @@ def test_rank_compute_names_the_rank_whose_step_fails_or_whose_process_dies(how)
     expected = r"process died: rank \([01],\): exit code 3" if how == "dies" else r"step failed: .*ValueError: a broken step"
     with pytest.raises(RuntimeError, match=expected):
         at_once_s(Eager(workload), (2,), 0.05)
+
+
+def test_a_result_keeps_the_link_figures_its_calls_were_priced_with():
+    from dataclasses import replace
+
+    from metadist.bench.metadist_method import link_figures
+    from metadist.cost import cluster_for
+    from metadist.ir import Mesh
+
+    cluster = cluster_for("cpu-gloo", Mesh((2, 2)))
+    cluster = replace(cluster, axis_links=(replace(cluster.link(0), sync_s=4e-3, sync_by_gap=((2e-4, 7e-4), (2e-3, 5e-3)),
+                                                   kind_costs=(("all_gather", 1.6e-3, 1e9),)), cluster.link(1)))
+    figures = link_figures(cluster)
+    first, second = (figures[name] for name in cluster.mesh.axis_names)
+    assert first["sync_s"] == 4e-3 and first["sync_by_gap"] == [[2e-4, 7e-4], [2e-3, 5e-3]]
+    assert first["kind_fixed_s"] == {"all_gather": 1.6e-3}
+    assert second["sync_s"] == cluster.link(1).sync_s and second["bandwidth_bytes_per_s"] == cluster.link(1).bandwidth_bytes_per_s
+    import json
+    assert json.loads(json.dumps(figures)) == figures  # it goes into the result file as it is

@@ -201,13 +201,24 @@ def build_metadist(method: str, workload: Workload, ctx: RankContext) -> tuple[P
     predicted = {**_program_estimate(plan.estimate, compiled.program, planned.cluster,
                                      _node_seconds(planned.torch_step.graph, plan, planned.cluster)),
                  "nodes": len(planned.torch_step.graph.nodes),
-                 "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s}
+                 "op_overhead_s": device.op_overhead_s, "eager_op_overhead_s": device.eager_op_overhead_s,
+                 "links": link_figures(planned.cluster)}
     routing = planned.torch_step.graph.routing
     if routing:  # the static experts' extra rows: what a baseline running the library's own experts does not compute
         from ..ir.routing import computed_over_routed
 
         predicted["expert_rows_over_routed"] = computed_over_routed(routing)
     return prepared, compile_s, predicted
+
+
+def link_figures(cluster: Any) -> dict[str, dict[str, Any]]:
+    """Per mesh axis, the calibrated figures a plan's calls were priced with: the in-step wait (``sync_s`` and its
+    points by the compute before a call), each kind's fixed seconds, and the bandwidth. Kept in the result file, so
+    that a row priced far from its time can be traced to the calibration it was priced on."""
+    return {name: {"sync_s": link.sync_s, "sync_by_gap": [list(point) for point in link.sync_by_gap],
+                   "kind_fixed_s": {kind: fixed for kind, fixed, _ in link.kind_costs},
+                   "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s}
+            for name, link in zip(cluster.mesh.axis_names, cluster.axis_links)}
 
 
 def _plan_on_rank_zero(solve: Any, ctx: RankContext) -> Any:
