@@ -178,6 +178,8 @@ def torch_ddp_estimate(graph: Graph, cluster: Cluster, dp_estimate: Any, bucket_
     pieces = ddp_buckets([float(item.value.spec.nbytes) for item in graph.inputs if item.role is Role.PARAM], cap,
                          DDP_FIRST_BUCKET_BYTES if bucket_cap_bytes is None else cap) if world > 1 else []
     buckets = len(pieces)
+    # a copy's bytes are the bucket's whatever its dtype; the dtype picks the elementwise curve they are priced on:
+    # the parameters', or float32's where their dtypes mix
     dtypes = {item.value.spec.dtype for item in graph.inputs if item.role is Role.PARAM}
     dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
     copy_s = 0.0
