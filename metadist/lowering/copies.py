@@ -29,17 +29,10 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .program import CoalescedReshard, RankProgram, Reshard
+from .program import CoalescedReshard, RankProgram, Reshard, _numel
 from .reshard import ReshardStep
 
 __all__ = ["step_copies", "coalesced_copies", "program_copies"]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def step_copies(step: ReshardStep) -> list[int]:
