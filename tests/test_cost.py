@@ -325,6 +325,21 @@ def test_the_sustained_slowdown_keeps_the_fastest_long_stretch_over_the_median_b
         _slowdown_of(bursts, [])
 
 
+def test_the_calibration_keeps_the_slowest_ranks_figure_of_each_kind():
+    """Times and slowdowns: the largest over the ranks; rates: the smallest. Up to version 25 the FSDP2 unit figures
+    were taken for rates, so the fastest rank's time priced torch's FSDP2 rows."""
+    pytest.importorskip("torch")
+    from metadist.cost.calibrate_worker import slower_when_larger
+
+    seconds = ["op_overhead_s", "captured_step_s", "eager_step_s", "dtensor_op_s", "sustained_slowdown", "core_sharing",
+               "compute_phase_s", "in_step_collective_s", "in_step_collective_s:2", "in_step_collective_short_s:2",
+               "in_step_collective_long_s", "op_element_s:tanh", "fsdp_unit_s:zero2:262144", "fsdp_unit_s:zero3:33547264"]
+    rates = ["peak_flops_per_s", "peak_flops_per_s_bfloat16", "memory_bandwidth_bytes_per_s",
+             "matmul_stream_bytes_per_s_float16@nt", "matmul_curve:float32:524288", "elementwise_curve:float32:49152"]
+    assert [key for key in seconds if not slower_when_larger(key)] == []
+    assert [key for key in rates if slower_when_larger(key)] == []
+
+
 def _layout_graph():
     """Matmuls whose operands reach them through views: ``t``, ``transpose``, ``permute``, leading-dim views, copies."""
     from metadist.ir import Graph, GraphInput, GraphOutput, Literal, MetaOp, Node, Role, Value, ValueRef

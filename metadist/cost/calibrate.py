@@ -419,7 +419,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, lau
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 25
+CALIBRATION_VERSION = 26
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -452,8 +452,9 @@ figures timed over windows), whose caches are not read; 23: where ranks share co
 rank alone while the others wait (:func:`.calibrate_worker._roofline_alone`), so that the slowdown applies the sharing
 once; 24: the seconds per element of a relayout, a transposed operand copied into a row-major tensor
 (:data:`.compute.RELAYOUT`: the gradient layout copies); 25: where the processes outnumber the cores, each figure the
-median over :data:`SHARED_CORE_LAUNCHES` launches (:func:`merge_reports`). A cache of an older version is measured
-again, not read."""
+median over :data:`SHARED_CORE_LAUNCHES` launches (:func:`merge_reports`); 26: FSDP2's units timed first in the
+worker, and their figures the slowest rank's (the fastest's before: :func:`.calibrate_worker.slower_when_larger`;
+:func:`.calibrate_worker._fsdp_unit_seconds`). A cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

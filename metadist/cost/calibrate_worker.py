@@ -389,8 +389,7 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
     if any(other != keys for other in every):  # a reduction of lists of other lengths would abort the processes
         differing = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
         raise RuntimeError(f"internal: the calibration's ranks measured different figures ({', '.join(differing)})")
-    sign = [1.0 if key in _SECONDS or key.startswith(("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:",
-                                                      "in_step_collective_long_s:")) else -1.0 for key in keys]
+    sign = [1.0 if slower_when_larger(key) else -1.0 for key in keys]
     values = torch.tensor([s * figures[key] for s, key in zip(sign, keys)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
@@ -399,8 +398,20 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s",
                       "in_step_collective_short_s", "compute_phase_short_s", "in_step_collective_long_s", "compute_phase_long_s",
                       "sustained_slowdown", "core_sharing", "dtensor_op_s"})
-"""Figures that are times or slowdowns (the slowest rank has the largest), with every ``op_element_s:OP``; the others
-are rates (the smallest)."""
+"""Figures that are times or slowdowns (the slowest rank has the largest), with every key of :data:`_SECONDS_PREFIXES`;
+the others are rates (the smallest)."""
+
+_SECONDS_PREFIXES = ("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:", "in_step_collective_long_s:",
+                     "fsdp_unit_s:")
+"""Prefixes of families of figures in seconds (per op, size or variant)."""
+
+
+def slower_when_larger(key: str) -> bool:
+    """Whether the device figure ``key`` is a time or a slowdown (the slowest rank's is its largest), not a rate (the
+    slowest rank's is its smallest): what :func:`_slowest` keeps. Up to version 25 the FSDP2 unit figures
+    (``fsdp_unit_s:``) were taken for rates, and the calibration kept the fastest rank's."""
+    return key in _SECONDS or key.startswith(_SECONDS_PREFIXES)
+
 
 SUSTAINED_BURST_ITERATIONS = 20
 """Iterations of :func:`_sustained_slowdown`'s op mix in one short timed burst (~0.5 ms on this project's machine),
@@ -565,7 +576,6 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing(),
                "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats)}
     if world > 1:
-        figures.update(_fsdp_unit_seconds(world, repeats))
         figures.update(_in_step_figures(world, repeats))
     return figures
 
@@ -659,6 +669,9 @@ FSDP_UNITS = 4
 FSDP_ROWS = 32
 """Rows of the input each unit's square matmul multiplies."""
 
+FSDP_REPEATS = 15
+"""Timed steps of each variant of the small units' chain (:func:`_fsdp_unit_seconds`)."""
+
 
 def _fsdp_chain(width: int) -> torch.nn.Module:
     """:data:`FSDP_UNITS` units, each a bias-free ``width`` x ``width`` linear layer and a ReLU, as a model's blocks."""
@@ -677,7 +690,15 @@ def _fsdp_unit_seconds(world: int, repeats: int) -> dict[str, float]:
     fresh flat buffer and copy-out into the unsharded parameters, overlapped with the unit before; the reduce-scatter's
     copy-in (``chunk_cat``); gloo's reduce-scatter (an all-reduce of a copy of the whole input), blocking; the division
     of the gradients; FSDP2's hooks. On this project's 2-core machine (2 processes) a GPT block's 28 MiB unit took
-    ~90 ms of such calls in a step, where the link's all-gather and all-reduce of its bytes were priced at ~40."""
+    ~90 ms of such calls in a step, where the link's all-gather and all-reduce of its bytes were priced at ~40.
+
+    The worker times them first, before anything else it measures (version 26). Timed where they were before, after
+    the rest of the device figures, the same function gave a 256 KiB unit 8.4-8.5 ms (ZeRO-2; a launch and two probes) where
+    it gave 10.9-12.5 at the start of a process (seven probes; 4 processes on this project's 2 cores, the same hour), and the benchmark's
+    FSDP2 rows ran at the fresh figure: the small models' ZeRO-2 and ZeRO-3 rows measured 1.15-1.71x their price on
+    every page with the late one, mlp's at ~12.6 ms a unit. What in the earlier measurements speeds the later FSDP2
+    steps up was not found (not the compiled step, the DTensor ops, the sustained stretches, the collector, nor the
+    heap alone)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = _world_mesh(world)
@@ -797,6 +818,8 @@ def main(argv: list[str] | None = None) -> None:
             keep_freed_host_memory()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    # FSDP2's units first, in a process as fresh as a training step's: see _fsdp_unit_seconds
+    fsdp = _fsdp_unit_seconds(dist.get_world_size(), FSDP_REPEATS) if device.type == "cpu" and dist.get_world_size() > 1 else {}
     shape = [int(part) for part in args.mesh.split("x")]
     world = dist.get_world_size()
     # the mesh's own axes, then groups of the sizes other meshes of these processes have (2x2 of 4: pairs), all at once
@@ -819,7 +842,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         roofline = _slowest(_roofline(device), device)
     if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
-        roofline.update(_slowest(_runtime_figures(roofline), device))
+        roofline.update(_slowest(_runtime_figures(roofline) | fsdp, device))
     if dist.get_rank() == 0:
         report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "mesh": shape,
                   "device": roofline, "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
