@@ -237,10 +237,11 @@ def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibrati
         replace(plain, dtensor_op_overhead_s=-1e-6)
 
 
-def test_fsdp_unit_costs_are_fitted_through_two_sizes_for_the_axis_of_all_the_processes():
+def test_fsdp_unit_costs_are_fitted_through_two_sizes_for_the_groups_they_were_timed_over():
     """Version 14: what torch's FSDP2 added per unit at two sizes gives (fixed seconds, bytes/s) per variant, on the
-    link of the axis of all the processes only (the units were timed over all of them), not scaled by the slowdown;
-    a variant timed at one size, or an older report, gives none."""
+    link of the axis of all the processes (the units were timed over all of them), not scaled by the slowdown;
+    a variant timed at one size, or an older report, gives none. Version 27: units timed over groups of a size price
+    the links of that size only."""
     figures = {"peak_flops_per_s": 1e11, "memory_bandwidth_bytes_per_s": 2e10, "sustained_slowdown": 1.5,
                "fsdp_unit_s:zero2:1000": 3e-3, "fsdp_unit_s:zero2:11000": 5e-3,
                "fsdp_unit_s:zero3:1000": 4e-3, "fsdp_unit_s:zero3:11000": 8e-3, "fsdp_unit_s:other:1000": 1.0}
@@ -258,6 +259,14 @@ def test_fsdp_unit_costs_are_fitted_through_two_sizes_for_the_axis_of_all_the_pr
     no_pairs = {**report, "measurements": [row for row in rows if row["axis"] == 0]}
     assert all(not link.fsdp_unit_costs for link in cluster_over_mesh(no_pairs, Mesh((2, 2))).axis_links)
     assert cluster_over_mesh(no_pairs, Mesh((4,))).link(0).fsdp_unit_costs == link.fsdp_unit_costs
+    # version 27: the units timed over pairs too price FSDP2 over a pair axis, and only there
+    pairs = {**report, "device": {**figures, "fsdp_unit_s:zero2:1000:2": 2e-3, "fsdp_unit_s:zero2:21000:2": 4e-3}}
+    square = cluster_over_mesh(pairs, Mesh((2, 2)))
+    for axis in (0, 1):
+        assert square.link(axis).fsdp_unit_costs == (("zero2", pytest.approx(1.9e-3), pytest.approx(1e7)),)
+    assert cluster_from_report(pairs, Mesh((4,))).link(0).fsdp_unit_costs == link.fsdp_unit_costs
+    assert cluster_from_report(pairs, Mesh((2, 2))).link(0).fsdp_unit_costs == square.link(0).fsdp_unit_costs
+    assert all(not link.fsdp_unit_costs for link in cluster_over_mesh({**pairs, "measurements": rows[:2]}, Mesh((2, 2))).axis_links)
     older = {**report, "device": {key: value for key, value in figures.items() if not key.startswith("fsdp")}}
     assert cluster_from_report(older, Mesh((4,))).link(0).fsdp_unit_costs == ()
     cluster = cluster_from_report(report, Mesh((4,)))

@@ -237,7 +237,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size),
                              sync_by_gap=sync_by_gap(figures, link, size),
-                             fsdp_unit_costs=fsdp_unit_costs(figures) if size == report.get("world_size") else ()))
+                             fsdp_unit_costs=fsdp_unit_costs(figures, None if size == report.get("world_size") else size)))
     slowdown = sustained_slowdown(figures)
 
     def rates(values: Mapping[str, float]) -> dict[str, float]:
@@ -264,15 +264,18 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     return Cluster(mesh=mesh, device=device, axis_links=tuple(links), name=f"calibrated-{report['backend']}")
 
 
-def fsdp_unit_costs(figures: Mapping[str, Any]) -> tuple[tuple[str, float, float], ...]:
+def fsdp_unit_costs(figures: Mapping[str, Any], group_size: int | None = None) -> tuple[tuple[str, float, float], ...]:
     """(variant, fixed seconds, bytes/s) of torch's FSDP2 per unit, through the smallest and the largest unit the worker
-    timed (``fsdp_unit_s:VARIANT:BYTES``, :func:`metadist.cost.calibrate_worker._fsdp_unit_seconds`), as a collective
-    kind is fitted (:func:`_through_ends`); nothing for a variant timed at fewer than two sizes. Not scaled by the
-    sustained slowdown: every rank ran the units at once, as a step runs them."""
+    timed (:func:`metadist.cost.calibrate_worker._fsdp_unit_seconds`), as a collective kind is fitted
+    (:func:`_through_ends`): over all the processes (``fsdp_unit_s:VARIANT:BYTES``), or with ``group_size`` over
+    groups of that many (``fsdp_unit_s:VARIANT:BYTES:SIZE``, version 27); nothing for a variant timed at fewer than two
+    sizes. Not scaled by the sustained slowdown: every rank ran the units at once, as a step runs them."""
     by_variant: dict[str, dict[float, float]] = {}
     for key, seconds in figures.items():
-        if key.startswith("fsdp_unit_s:"):
-            _, variant, nbytes = key.split(":")
+        if not key.startswith("fsdp_unit_s:"):
+            continue
+        _, variant, nbytes, *group = key.split(":")
+        if group == ([] if group_size is None else [str(group_size)]):
             by_variant.setdefault(variant, {})[float(nbytes)] = float(seconds)
     return tuple((variant, *_through_ends(points)) for variant, points in sorted(by_variant.items()) if len(points) >= 2)
 
@@ -419,7 +422,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, lau
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 26
+CALIBRATION_VERSION = 27
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -454,7 +457,9 @@ once; 24: the seconds per element of a relayout, a transposed operand copied int
 (:data:`.compute.RELAYOUT`: the gradient layout copies); 25: where the processes outnumber the cores, each figure the
 median over :data:`SHARED_CORE_LAUNCHES` launches (:func:`merge_reports`); 26: FSDP2's units timed first in the
 worker, and their figures the slowest rank's (the fastest's before: :func:`.calibrate_worker.slower_when_larger`;
-:func:`.calibrate_worker._fsdp_unit_seconds`). A cache of an older version is measured again, not read."""
+:func:`.calibrate_worker._fsdp_unit_seconds`); 27: FSDP2's units timed over groups of each size a mesh axis of the
+processes can have too (pairs of 4), which price FSDP2 over one axis of a 2-D mesh (``tp-dp``). A cache of an older
+version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:
@@ -564,6 +569,7 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
             links.append(replace(whole, fsdp_unit_costs=()))
             continue
         link = fit_link(rows, size, f"{report['backend']}-group{size}", backend_reduce_scatters_as_all_reduce(report["backend"]))
+        link = replace(link, fsdp_unit_costs=fsdp_unit_costs(report["device"], size))
         in_step = report["device"].get(f"in_step_collective_s:{size}")
         if in_step is None:  # timed alone only: the whole link's wait
             links.append(replace(link, sync_s=whole.sync_s, sync_by_gap=whole.sync_by_gap))

@@ -68,6 +68,12 @@ def _group_sizes(world: int, shape: list[int]) -> list[int]:
     return [size for size in range(2, world) if world % size == 0 and size not in shape]
 
 
+def fsdp_group_sizes(world: int, shape: list[int]) -> list[int]:
+    """The group sizes below ``world`` that FSDP2's units are timed on (:func:`_fsdp_unit_seconds`): each axis size of
+    ``shape`` and each of :func:`_group_sizes`, above 1."""
+    return sorted({size for size in shape if 1 < size < world} | set(_group_sizes(world, shape)))
+
+
 def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
     if op == "all_reduce":
         dist.all_reduce(tensor, group=group)
@@ -679,12 +685,14 @@ def _fsdp_chain(width: int) -> torch.nn.Module:
                                  for _ in range(FSDP_UNITS)))
 
 
-def _fsdp_unit_seconds(world: int, repeats: int) -> dict[str, float]:
+def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
     """Seconds torch's FSDP2 adds to a forward and backward per unit of each size in :data:`FSDP_UNIT_BYTES`, with
     its parameters kept gathered from forward to backward (``fsdp_unit_s:zero2:BYTES``) and gathered again for the
     backward (``fsdp_unit_s:zero3:BYTES``): a chain of :data:`FSDP_UNITS` linear units sharded by ``fully_shard`` (per
     unit and at a root without parameters, as a model's blocks are) less the same chain unsharded, every rank at once,
-    over the units.
+    over the units. ``size``: the ranks each chain is sharded over, all of them or groups of ``size`` consecutive
+    ranks, every group at once (keys ``fsdp_unit_s:VARIANT:BYTES:SIZE``; version 27), as FSDP2 runs over one axis of
+    a 2-D mesh under tensor parallelism.
 
     That is FSDP2 as it runs on this backend inside a step, not its collectives alone: the all-gather's copy-in into a
     fresh flat buffer and copy-out into the unsharded parameters, overlapped with the unit before; the reduce-scatter's
@@ -699,12 +707,18 @@ def _fsdp_unit_seconds(world: int, repeats: int) -> dict[str, float]:
     every page with the late one, mlp's at ~12.6 ms a unit. What in the earlier measurements speeds the later FSDP2
     steps up was not found (not the compiled step, the DTensor ops, the sustained stretches, the collector, nor the
     heap alone)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = _world_mesh(world)
+    world = dist.get_world_size()
+    if size == world:
+        mesh, suffix = _world_mesh(world), ""
+    else:
+        mesh = init_device_mesh("cpu", (world // size, size), mesh_dim_names=("groups", "members"))["members"]
+        suffix = f":{size}"
     figures = {}
     for nbytes in FSDP_UNIT_BYTES:
-        width = max(world, int((nbytes // 4) ** 0.5) // world * world)
+        width = max(size, int((nbytes // 4) ** 0.5) // size * size)
         x = torch.rand(FSDP_ROWS, width)
         torch.manual_seed(0)
         runs = {"plain": _fsdp_chain(width)}
@@ -731,7 +745,7 @@ def _fsdp_unit_seconds(world: int, repeats: int) -> dict[str, float]:
         plain = statistics.median(samples["plain"])
         for variant in ("zero2", "zero3"):
             extra = max(statistics.median(samples[variant]) - plain, 0.0) / FSDP_UNITS
-            figures[f"fsdp_unit_s:{variant}:{width * width * 4}"] = extra
+            figures[f"fsdp_unit_s:{variant}:{width * width * 4}{suffix}"] = extra
     return figures
 
 
@@ -818,10 +832,14 @@ def main(argv: list[str] | None = None) -> None:
             keep_freed_host_memory()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    # FSDP2's units first, in a process as fresh as a training step's: see _fsdp_unit_seconds
-    fsdp = _fsdp_unit_seconds(dist.get_world_size(), FSDP_REPEATS) if device.type == "cpu" and dist.get_world_size() > 1 else {}
     shape = [int(part) for part in args.mesh.split("x")]
     world = dist.get_world_size()
+    # FSDP2's units first, in a process as fresh as a training step's (see _fsdp_unit_seconds): over all the
+    # processes, then over groups of each size a mesh axis of these processes can have
+    fsdp: dict[str, float] = {}
+    if device.type == "cpu" and world > 1:
+        for size in (world, *fsdp_group_sizes(world, shape)):
+            fsdp.update(_fsdp_unit_seconds(size, FSDP_REPEATS))
     # the mesh's own axes, then groups of the sizes other meshes of these processes have (2x2 of 4: pairs), all at once
     timed = [(axis, shape[axis], group) for axis, group in enumerate(_axis_groups(shape))]
     timed += [(-1, size, _axis_groups([world // size, size])[1]) for size in _group_sizes(world, shape)]
