@@ -237,7 +237,8 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size),
                              sync_by_gap=sync_by_gap(figures, link, size),
-                             fsdp_unit_costs=fsdp_unit_costs(figures, None if size == report.get("world_size") else size)))
+                             fsdp_unit_costs=fsdp_unit_costs(figures,
+                                                             None if size == report.get("world_size") else size)))
     slowdown = sustained_slowdown(figures)
 
     def rates(values: Mapping[str, float]) -> dict[str, float]:

@@ -407,8 +407,8 @@ _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_st
 """Figures that are times or slowdowns (the slowest rank has the largest), with every key of :data:`_SECONDS_PREFIXES`;
 the others are rates (the smallest)."""
 
-_SECONDS_PREFIXES = ("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:", "in_step_collective_long_s:",
-                     "fsdp_unit_s:")
+_SECONDS_PREFIXES = ("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:",
+                     "in_step_collective_long_s:", "fsdp_unit_s:")
 """Prefixes of families of figures in seconds (per op, size or variant)."""
 
 
@@ -701,10 +701,10 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
     ~90 ms of such calls in a step, where the link's all-gather and all-reduce of its bytes were priced at ~40.
 
     The worker times them first, before anything else it measures (version 26). Timed where they were before, after
-    the rest of the device figures, the same function gave a 256 KiB unit 8.4-8.5 ms (ZeRO-2; a launch and two probes) where
-    it gave 10.9-12.5 at the start of a process (seven probes; 4 processes on this project's 2 cores, the same hour), and the benchmark's
-    FSDP2 rows ran at the fresh figure: the small models' ZeRO-2 and ZeRO-3 rows measured 1.15-1.71x their price on
-    every page with the late one, mlp's at ~12.6 ms a unit. What in the earlier measurements speeds the later FSDP2
+    the rest of the device figures, the same function gave a 256 KiB unit 8.4-8.5 ms (ZeRO-2; a launch and two
+    probes) where it gave 10.9-12.5 at the start of a process (seven probes; 4 processes on this project's 2 cores,
+    the same hour), and the benchmark's FSDP2 rows ran at the fresh figure: the small models' ZeRO-2 and ZeRO-3 rows
+    measured 1.15-1.71x their price on every page with the late one, mlp's at ~12.6 ms a unit. What in the earlier measurements speeds the later FSDP2
     steps up was not found (not the compiled step, the DTensor ops, the sustained stretches, the collector, nor the
     heap alone)."""
     from torch.distributed.device_mesh import init_device_mesh
