@@ -508,6 +508,7 @@ def test_rank_compute_names_the_rank_whose_step_fails_or_whose_process_dies(how)
 
 
 def test_a_result_keeps_the_link_figures_its_calls_were_priced_with():
+    import json
     from dataclasses import replace
 
     from metadist.bench.metadist_method import link_figures
@@ -522,5 +523,4 @@ def test_a_result_keeps_the_link_figures_its_calls_were_priced_with():
     assert first["sync_s"] == 4e-3 and first["sync_by_gap"] == [[2e-4, 7e-4], [2e-3, 5e-3]]
     assert first["kind_fixed_s"] == {"all_gather": 1.6e-3}
     assert second["sync_s"] == cluster.link(1).sync_s and second["bandwidth_bytes_per_s"] == cluster.link(1).bandwidth_bytes_per_s
-    import json
     assert json.loads(json.dumps(figures)) == figures  # it goes into the result file as it is

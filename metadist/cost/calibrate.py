@@ -566,7 +566,7 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         if size == mesh.size:
             links.append(whole)
             continue
-        if not rows:  # FSDP2's units were timed over all the processes, not over this axis's groups
+        if not rows:  # no collectives timed on groups of this size: the whole link, less FSDP2's units over all
             links.append(replace(whole, fsdp_unit_costs=()))
             continue
         link = fit_link(rows, size, f"{report['backend']}-group{size}", backend_reduce_scatters_as_all_reduce(report["backend"]))

@@ -704,9 +704,9 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
     the rest of the device figures, the same function gave a 256 KiB unit 8.4-8.5 ms (ZeRO-2; a launch and two
     probes) where it gave 10.9-12.5 at the start of a process (seven probes; 4 processes on this project's 2 cores,
     the same hour), and the benchmark's FSDP2 rows ran at the fresh figure: the small models' ZeRO-2 and ZeRO-3 rows
-    measured 1.15-1.71x their price on every page with the late one, mlp's at ~12.6 ms a unit. What in the earlier measurements speeds the later FSDP2
-    steps up was not found (not the compiled step, the DTensor ops, the sustained stretches, the collector, nor the
-    heap alone)."""
+    measured 1.15-1.71x their price on every page with the late one, mlp's at ~12.6 ms a unit. What in the earlier
+    measurements speeds the later FSDP2 steps up was not found (not the compiled step, the DTensor ops, the sustained
+    stretches, the collector, nor the heap alone)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
