@@ -335,6 +335,18 @@ def test_the_sustained_slowdown_keeps_the_fastest_long_stretch_over_the_median_b
         _slowdown_of(bursts, [])
 
 
+def test_fsdp2s_units_are_timed_over_every_group_size_a_mesh_axis_of_the_processes_can_have():
+    """Version 27: besides all the processes, each smaller axis size of the calibrated mesh and each other divisor."""
+    pytest.importorskip("torch")
+    from metadist.cost.calibrate_worker import fsdp_group_sizes
+
+    assert fsdp_group_sizes(2, [2]) == []
+    assert fsdp_group_sizes(4, [4]) == fsdp_group_sizes(4, [2, 2]) == [2]
+    assert fsdp_group_sizes(8, [8]) == fsdp_group_sizes(8, [2, 4]) == [2, 4]
+    assert fsdp_group_sizes(8, [2, 2, 2]) == [2, 4]
+    assert fsdp_group_sizes(6, [6]) == [2, 3]
+
+
 def test_the_calibration_keeps_the_slowest_ranks_figure_of_each_kind():
     """Times and slowdowns: the largest over the ranks; rates: the smallest. Up to version 25 the FSDP2 unit figures
     were taken for rates, so the fastest rank's time priced torch's FSDP2 rows."""
