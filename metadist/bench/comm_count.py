@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..cost.comm import backend_reduce_scatters_as_all_reduce, carried_kind
 
@@ -235,7 +236,7 @@ def _call_of(event: TraceEvent, backend: Sequence[TraceEvent], used: set[int], d
         element_bytes = _backend_element_bytes(event, backend, used)
     if element_bytes is None:
         element_bytes, assumed = ASSUMED_ELEMENT_BYTES, True
-    numel = sum(_numel(shape) for shape in shapes)
+    numel = sum(math.prod(shape) for shape in shapes)
     return CollectiveCall(kind=kind, payload_bytes=numel * element_bytes, op=event.name, dtype_assumed=assumed,
                           group_size=group_size)
 
@@ -245,8 +246,8 @@ def _group_size(event: TraceEvent, kind: str) -> int:
     if kind not in ("all_gather", "reduce_scatter") or len(event.shapes) < 2:
         return 0
     big, small = (0, 1) if kind == "all_gather" else (1, 0)
-    big_numel = sum(_numel(shape) for shape in _tensor_shapes(event.shapes[big]))
-    small_numel = sum(_numel(shape) for shape in _tensor_shapes(event.shapes[small]))
+    big_numel = sum(math.prod(shape) for shape in _tensor_shapes(event.shapes[big]))
+    small_numel = sum(math.prod(shape) for shape in _tensor_shapes(event.shapes[small]))
     return big_numel // small_numel if small_numel and big_numel % small_numel == 0 else 0
 
 
@@ -271,13 +272,6 @@ def _tensor_shapes(shape: Any) -> list[list[int]]:
     for item in shape:
         flat.extend(_tensor_shapes(item))
     return flat
-
-
-def _numel(shape: Iterable[int]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 # ---------------------------------------------------------------- the flight recorder: collectives with their groups
@@ -363,5 +357,5 @@ def _recorded_call(entry: Mapping[str, Any], group_sizes: Mapping[str, int]) -> 
     for shape, dtype in zip(sizes or (), dtypes or ()):
         if dtype not in _RECORDED_ELEMENT_BYTES:
             raise UnreadableRecord(f"flight recorder entry {name!r}: dtype {dtype!r} has no known element size")
-        payload += _numel(shape) * _RECORDED_ELEMENT_BYTES[dtype]
+        payload += math.prod(shape) * _RECORDED_ELEMENT_BYTES[dtype]
     return CollectiveCall(kind=kind, payload_bytes=payload, op=name, group_size=group_sizes[group])

@@ -34,6 +34,7 @@ pieces' (:func:`~.sharding.local_nbytes`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -83,32 +84,25 @@ class Work:
     layout where it has one (:meth:`~.cluster.Device.flops_per_s`)."""
 
 
-def _prod(values: Sequence[int]) -> int:
-    total = 1
-    for value in values:
-        total *= value
-    return total
-
-
 def _mm_flops(ins: Shapes, outs: Shapes) -> float:  # [M, K] x [K, N]
-    return 2.0 * _prod(outs[0]) * ins[-2][-1]
+    return 2.0 * math.prod(outs[0]) * ins[-2][-1]
 
 
 def _bmm_flops(ins: Shapes, outs: Shapes) -> float:  # [B, M, K] x [B, K, N]
-    return 2.0 * _prod(outs[0]) * ins[-2][-1]
+    return 2.0 * math.prod(outs[0]) * ins[-2][-1]
 
 
 def _conv_flops(ins: Shapes, outs: Shapes) -> float:  # weight [C_out, C_in / groups, *kernel]
-    return 2.0 * _prod(outs[0]) * _prod(ins[1][1:])
+    return 2.0 * math.prod(outs[0]) * math.prod(ins[1][1:])
 
 
 def _conv_backward_flops(ins: Shapes, outs: Shapes) -> float:  # grad_out, input, weight
-    return 4.0 * _prod(ins[0]) * _prod(ins[2][1:])
+    return 4.0 * math.prod(ins[0]) * math.prod(ins[2][1:])
 
 
 def _attention_flops(ins: Shapes, outs: Shapes) -> float:  # q [B, H, L, D], k [B, H, S, D]
     query, key = ins[0], ins[1]
-    return 4.0 * _prod(query[:-1]) * key[-2] * query[-1]
+    return 4.0 * math.prod(query[:-1]) * key[-2] * query[-1]
 
 
 def _attention_backward_flops(ins: Shapes, outs: Shapes) -> float:  # grad_out, q [B, H, L, D], k [B, H, S, D]
@@ -159,9 +153,9 @@ def node_work(graph: Graph, node: Node) -> Work:
     if name in _ALLOCATIONS:
         return Work(flops=0.0, op=name, allocates=True)
     if relayouts(graph, node):
-        return Work(flops=float(sum(_prod(shape) for shape in outs)), op=name, relayout=True)
+        return Work(flops=float(sum(math.prod(shape) for shape in outs)), op=name, relayout=True)
     if node.op.is_random:
-        return Work(flops=float(sum(_prod(shape) for shape in outs)), draws_whole=True, op=name)
+        return Work(flops=float(sum(math.prod(shape) for shape in outs)), draws_whole=True, op=name)
     formula = _FLOPS.get(name)
     if formula is not None and outs:
         operands = _OPERANDS.get(name)
@@ -173,7 +167,7 @@ def node_work(graph: Graph, node: Node) -> Work:
                         layout=matmul_layout(graph, node.input_names[operands[0]], node.input_names[operands[1]]))
         except IndexError:  # an unexpected signature of a known op: fall back to the elementwise estimate
             pass
-    return Work(flops=float(sum(_prod(shape) for shape in outs)), op=name)
+    return Work(flops=float(sum(math.prod(shape) for shape in outs)), op=name)
 
 
 #: Views that keep the last dim last (a row-major tensor stays row-major, a transposed one transposed): reshaping or
@@ -358,7 +352,7 @@ def local_matmul_key(work: Work, input_specs: Sequence[TensorSpec], strategy: No
     first, second = (largest_local_shape(input_specs[i], strategy.inputs[i], mesh) for i in work.operands)
     if len(first) < 2 or len(second) < 2:
         return None
-    batch = _prod(first[:-2]) if work.op in _BATCHED else 0
+    batch = math.prod(first[:-2]) if work.op in _BATCHED else 0
     return (dtype, work.layout, batch, first[-2], first[-1], second[-1])
 
 
@@ -384,7 +378,7 @@ def _rate_flops(work: Work, flops: float, output_specs: Sequence[TensorSpec | No
             or strategy.outputs[0] is None:
         return flops
     local = largest_local_shape(output_specs[0], strategy.outputs[0], mesh)
-    batches = _prod(local[:-2])
+    batches = math.prod(local[:-2])
     return flops / batches if batches > 1 else flops
 
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..ir import Graph, Mesh, Node
 from .cluster import Cluster, MatmulKey
-from .compute import _BATCHED, Work, _prod, compute_dtype, node_work
+from .compute import _BATCHED, Work, compute_dtype, node_work
 from .timed_shapes import read_times, with_timed, write_times
 
 __all__ = ["NARROW_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table", "with_measured_matmuls",
@@ -77,7 +78,7 @@ def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = NARROW_DTYPES)
         if len(first) < 2 or len(second) < 2:
             continue
         batched = work.op in _BATCHED
-        dims = (_prod(first[:-2]) if batched else 0, first[-2], first[-1], second[-1])
+        dims = (math.prod(first[:-2]) if batched else 0, first[-2], first[-1], second[-1])
         for assignment in itertools.product((None, *range(0 if batched else 1, 4)), repeat=mesh.ndim):
             pieces = [1, 1, 1, 1]
             for axis, dim in enumerate(assignment):

@@ -27,9 +27,10 @@ rank with the largest pieces (as the program's buffers are), for the cost model 
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Sequence
 
-from .program import CoalescedReshard, RankProgram, Reshard, _numel
+from .program import CoalescedReshard, RankProgram, Reshard
 from .reshard import ReshardStep
 
 __all__ = ["step_copies", "coalesced_copies", "program_copies"]
@@ -38,7 +39,7 @@ __all__ = ["step_copies", "coalesced_copies", "program_copies"]
 def step_copies(step: ReshardStep) -> list[int]:
     """The elements of each copy the runtime makes to run ``step`` on its own (not in a coalesced call), beside the
     collective's own transfer: empty where the step is a view or moves nothing locally."""
-    n_in, n_out = _numel(step.bound_in), _numel(step.bound_out)
+    n_in, n_out = math.prod(step.bound_in), math.prod(step.bound_out)
     kind = step.kind
     if kind == "all_reduce":
         return [n_in]
@@ -73,14 +74,14 @@ def coalesced_copies(item: CoalescedReshard) -> list[int]:
     if len(item.members) == 1:  # packed and unpacked as views: the collective's own copies
         copies += step_copies(collectives[0])
     else:
-        packed = sum(_numel(step.bound_in) for step in collectives)
+        packed = sum(math.prod(step.bound_in) for step in collectives)
         if item.kind == "reduce_scatter":  # each member's rows laid out (unless scattered on dim 0), then joined
-            copies += [_numel(step.bound_in) for step in collectives if step.dim != 0]
+            copies += [math.prod(step.bound_in) for step in collectives if step.dim != 0]
         copies.append(packed)  # pack_flat / pack_for_reduce_scatter: torch.cat of the members
         if item.kind == "all_reduce":
             copies.append(packed)  # the functional all-reduce clones the packed buffer
         elif item.kind == "all_gather":
-            copies += [_numel(step.bound_out) for step in collectives]  # each member out of the gathered rows
+            copies += [math.prod(step.bound_out) for step in collectives]  # each member out of the gathered rows
     return copies + [elements for member in item.members for step in member.post for elements in step_copies(step)]
 
 

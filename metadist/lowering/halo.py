@@ -26,6 +26,7 @@ pieces are refused here; the solver never plans them).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from ..ir import Mesh, Shard, TensorSpec
@@ -37,13 +38,6 @@ __all__ = ["HALO_STEP_KINDS", "halo_exchange_step", "halo_trim_step"]
 
 #: Step kinds of halo lowering: the exchange communicates, the trim is local.
 HALO_STEP_KINDS = ("halo_exchange", "halo_trim")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def halo_exchange_step(spec: TensorSpec, sharding: tuple, local_in: tuple[int, ...], axis: int, halo: int, mesh: Mesh,
@@ -68,7 +62,7 @@ def halo_exchange_step(spec: TensorSpec, sharding: tuple, local_in: tuple[int, .
         raise LoweringError(f"{what}: local pieces of dim {dim} ({local_in[dim]}) are narrower than the halo ({halo})")
     local_out = tuple(size + 2 * halo if d == dim else size for d, size in enumerate(local_in))
     k = mesh.shape[axis]
-    border_bytes = _numel(local_in) // local_in[dim] * 2 * halo * spec.itemsize
+    border_bytes = math.prod(local_in) // local_in[dim] * 2 * halo * spec.itemsize
     return ReshardStep(
         kind="halo_exchange", axis=axis, axis_size=k, dim=dim, split_dim=None, op=None, coordinate=coords[axis],
         local_shape_in=tuple(local_in), local_shape_out=local_out,

@@ -19,6 +19,7 @@ draw) and keep the rank's slice: see :class:`RandomDraw`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence, Union
 
@@ -132,14 +133,7 @@ def buffer_bytes(step: ReshardStep, itemsize: int) -> int:
     Read on the rank with the largest pieces (:attr:`ReshardStep.bound_in`), so that decisions made
     from it (buckets, the in-flight cap) are the same on every rank when pieces are uneven.
     """
-    return max(_numel(step.bound_in), _numel(step.bound_out)) * itemsize
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+    return max(math.prod(step.bound_in), math.prod(step.bound_out)) * itemsize
 
 
 @dataclass(frozen=True)

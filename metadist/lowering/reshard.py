@@ -166,7 +166,7 @@ class _Builder:
             self._append("unpad", axis, shape_out, after)
 
     def _append(self, kind, axis, shape_in, shape_out, *, dim=None, split_dim=None, op=None) -> None:
-        nbytes_in, nbytes_out = _numel(shape_in) * self.itemsize, _numel(shape_out) * self.itemsize
+        nbytes_in, nbytes_out = math.prod(shape_in) * self.itemsize, math.prod(shape_out) * self.itemsize
         self.steps.append(ReshardStep(
             kind=kind, axis=axis, axis_size=self.mesh.shape[axis], dim=dim, split_dim=split_dim, op=op,
             coordinate=self.coords[axis], local_shape_in=tuple(shape_in), local_shape_out=tuple(shape_out),
@@ -274,11 +274,11 @@ def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh
             if placement.__class__ is Shard:
                 cuts[placement.dim] *= mesh.shape[axis]
         pieces = [math.lcm(have, cut) for have, cut in zip(pieces, cuts)]
-    total = _numel(pieces)
+    total = math.prod(pieces)
     steps = _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
     if any(step.kind in ("pad", "unpad") for step in steps):  # pragma: no cover - even shapes are never padded
         raise LoweringError("internal: an even resharding was padded")
-    return tuple((step.kind, step.axis, total // _numel(step.local_shape_in), total // _numel(step.local_shape_out))
+    return tuple((step.kind, step.axis, total // math.prod(step.local_shape_in), total // math.prod(step.local_shape_out))
                  for step in steps if step.kind in COLLECTIVE_KINDS)
 
 
@@ -348,8 +348,3 @@ def _reduce_and_shard(build: _Builder, target: tuple) -> None:
             build.current[axis] = wanted  # a replicated value is already a valid Partial(max/min)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

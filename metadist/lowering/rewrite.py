@@ -13,6 +13,7 @@ meant there). Random ops are handled apart (see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -59,7 +60,7 @@ def _reshape(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dic
     of its ``(18,)`` view. The solver never plans that; a plan that does is refused here.
     """
     local_in, local_out = ctx.input_local_shapes[0], ctx.output_local_shapes[0]
-    if _numel(local_in) != _numel(local_out):
+    if math.prod(local_in) != math.prod(local_out):
         raise LoweringError(
             f"node {ctx.node.name!r} ({ctx.node.op.target}) reshapes {ctx.input_specs[0].shape} -> {ctx.output_specs[0].shape}, "
             f"but on this rank its input piece {local_in} and output piece {local_out} hold different numbers of elements: "
@@ -68,13 +69,6 @@ def _reshape(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dic
         )
     args[1] = tuple(local_out)
     return ctx.node.op.target, args, kwargs
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _empty_strided(ctx: NodeContext, args: list, kwargs: dict) -> tuple[str, list, dict]:

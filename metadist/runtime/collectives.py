@@ -25,6 +25,7 @@ bytes measured equal the sum the lowering predicts.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -210,13 +211,13 @@ class Collectives(torch.nn.Module):
     def coalesced_all_reduce(self, tensors: Sequence[torch.Tensor], axis: int, op: str) -> list[torch.Tensor]:
         """All-reduce every tensor with one collective on one flat buffer (the members' elements, in order)."""
         shapes = [tuple(tensor.shape) for tensor in tensors]
-        raw = self.issue_all_reduce(pack_flat(tensors), axis, op, [_numel(shape) for shape in shapes])
+        raw = self.issue_all_reduce(pack_flat(tensors), axis, op, [math.prod(shape) for shape in shapes])
         return unpack_all_reduce(self.wait_tensor(raw), shapes)
 
     def coalesced_all_gather(self, tensors: Sequence[torch.Tensor], axis: int, dims: Sequence[int]) -> list[torch.Tensor]:
         """All-gather every tensor along its own dim with one collective (layout: :meth:`issue_all_gather`)."""
         shapes = [tuple(tensor.shape) for tensor in tensors]
-        raw = self.issue_all_gather(pack_flat(tensors), axis, [_numel(shape) for shape in shapes])
+        raw = self.issue_all_gather(pack_flat(tensors), axis, [math.prod(shape) for shape in shapes])
         return unpack_all_gather(self.wait_tensor(raw), self.axis_sizes[axis], shapes, dims)
 
     def coalesced_reduce_scatter(self, tensors: Sequence[torch.Tensor], axis: int, op: str, dims: Sequence[int]) -> list[torch.Tensor]:
@@ -295,7 +296,7 @@ def pack_for_reduce_scatter(tensors: Sequence[torch.Tensor], k: int, dims: Seque
 
 def unpack_all_reduce(reduced: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """The members of a waited all-reduce buffer, as views of it."""
-    sizes = [_numel(shape) for shape in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
     return [piece.view(shape) for piece, shape in zip(reduced.split(sizes), shapes)]
 
 
@@ -309,7 +310,7 @@ def unpack_all_gather(gathered: torch.Tensor, k: int, shapes: Sequence[tuple[int
     rows = gathered.view(k, -1)  # (k, N)
     out, offset = [], 0
     for shape, dim in zip(shapes, dims):
-        numel = _numel(shape)
+        numel = math.prod(shape)
         pieces = rows[:, offset:offset + numel].reshape(k, *shape)  # (k, ..., n_dim, ...)
         whole = tuple(shape[:dim]) + (k * shape[dim],) + tuple(shape[dim + 1:])
         out.append(pieces.movedim(0, dim).reshape(whole))  # (..., k * n_dim, ...)
@@ -454,13 +455,6 @@ def halo_trim(tensor: torch.Tensor, dim: int, trim: int) -> torch.Tensor:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _check_packed(buffer: torch.Tensor, numels: Sequence[int]) -> int:

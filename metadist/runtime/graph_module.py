@@ -16,6 +16,7 @@ followed by the ``unpack_*`` of its members and their local steps. Nothing in it
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -152,7 +153,7 @@ def _emit_issue(graph: torch.fx.Graph, comm: torch.fx.Node, env: dict, issued: d
             node = _emit_step(graph, comm, node, step)
         sources.append(node)
     step = members[0][3]
-    numels = [_numel(collective.local_shape_in) for _, _, _, collective, _ in members]
+    numels = [math.prod(collective.local_shape_in) for _, _, _, collective, _ in members]
     # packing is a node of its own: once it has run, the members' tensors can be freed
     if step.kind == "all_reduce":
         flat = graph.call_function(pack_flat, (sources,))
@@ -396,8 +397,3 @@ class CheckingInterpreter(torch.fx.Interpreter):
         return result
 
 
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
