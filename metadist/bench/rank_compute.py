@@ -348,10 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         results.append(measure(model, mesh, layouts, args.window_s, args.cluster, args.precision))
         console.print(f"{model}: {time.perf_counter() - started:.0f} s")
-    processes = 1
-    for size in mesh:
-        processes *= size
-    console.print(table(results, processes))
+    console.print(table(results, math.prod(mesh)))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         temporary = args.out.with_name(args.out.name + ".partial")

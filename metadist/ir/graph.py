@@ -14,6 +14,7 @@ node again on concrete tensors is the frontend's job: it resolves
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Union
@@ -107,10 +108,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -35,10 +36,7 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        total = 1
-        for size in self.shape:
-            total *= size
-        return total
+        return math.prod(self.shape)
 
     def axis_index(self, name: str) -> int:
         try:

@@ -278,7 +278,8 @@ def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh
     steps = _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
     if any(step.kind in ("pad", "unpad") for step in steps):  # pragma: no cover - even shapes are never padded
         raise LoweringError("internal: an even resharding was padded")
-    return tuple((step.kind, step.axis, total // math.prod(step.local_shape_in), total // math.prod(step.local_shape_out))
+    return tuple((step.kind, step.axis, total // math.prod(step.local_shape_in),
+                  total // math.prod(step.local_shape_out))
                  for step in steps if step.kind in COLLECTIVE_KINDS)
 
 
@@ -346,5 +347,3 @@ def _reduce_and_shard(build: _Builder, target: tuple) -> None:
             build.emit("zero_partial", axis, wanted, op="sum")
         else:
             build.current[axis] = wanted  # a replicated value is already a valid Partial(max/min)
-
-

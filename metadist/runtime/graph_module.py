@@ -395,5 +395,3 @@ class CheckingInterpreter(torch.fx.Interpreter):
             if len(got) == len(want) and any(w is not None and g != w for g, w in zip(got, want)):
                 raise LocalOpError(f"node {node.meta['metadist_node']!r} ({node.target}) made local shapes {got}, the lowering expects {want}")
         return result
-
-
