@@ -1,7 +1,9 @@
-"""``metadist run`` forks its ranks from a process that imported torch and MetaDist once (``LocalLaunch.fork``).
+"""``metadist run`` forks its ranks from a fork server that imported torch and MetaDist once (``LocalLaunch.fork``).
 
 A forked rank must start as a spawned one would: its own thread count, the default signal handlers, torch's own
-logging, its torchelastic environment. The model file below writes what its rank sees, and the run checks it.
+logging, its torchelastic environment, the command's environment. And the process it is forked from must be
+single-threaded: the command itself runs the launcher's stores on threads, and a fork of it can hang on a lock one
+of them held. The model file below writes what its rank sees, and the run checks it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ def workload():
     facts = {
         "pid": os.getpid(),
         "parent": os.getppid(),
+        "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),
+        "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1]),
+        "command_env": os.environ.get("SET_FOR_THE_COMMAND"),
         "threads": torch.get_num_threads(),
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
@@ -46,7 +51,7 @@ def workload():
 def test_forked_ranks_start_as_spawned_ones_would_and_pass_the_check(tmp_path):
     model = tmp_path / "model_file.py"
     model.write_text(REPORTING_MODEL)
-    env = dict(os.environ, OMP_NUM_THREADS="1", FACTS_DIR=str(tmp_path))
+    env = dict(os.environ, OMP_NUM_THREADS="1", FACTS_DIR=str(tmp_path), SET_FOR_THE_COMMAND="yes")
     command = subprocess.Popen([sys.executable, "-m", "metadist.cli.main", "run", str(model), "--nproc", "2",
                                 "--steps", "2", "--check", "--timeout-s", "60", "--log-dir", str(tmp_path / "logs")],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -55,9 +60,12 @@ def test_forked_ranks_start_as_spawned_ones_would_and_pass_the_check(tmp_path):
     assert "check: PASS" in stdout
     facts = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, seen in enumerate(facts):
-        assert seen["parent"] == command.pid, seen
-        # a fork of the command's own interpreter (a spawned rank's __main__ is metadist/runtime/worker.py)
+        # a fork of the command's fork server, a single-threaded child of the command (a spawned rank's parent is the
+        # command, and its __main__ is metadist/runtime/worker.py)
+        assert seen["grandparent"] == command.pid and seen["parent"] != command.pid, seen
+        assert seen["parent_threads"] == 1, seen
         assert Path(seen["main"]).parts[-3:] == ("metadist", "cli", "main.py"), seen
+        assert seen["command_env"] == "yes", seen
         assert seen["threads"] == 1, seen  # OMP_NUM_THREADS as the launch set it, not the launcher's count
         assert seen["sigterm_default"] and seen["sigint_default"], seen  # not torchelastic's launcher handlers
         assert seen["launcher_log_handlers"] == [], seen  # the launcher's log file stays the launcher's
@@ -122,3 +130,19 @@ def test_a_failing_fork_waits_for_its_peers_errors_and_no_longer(tmp_path, monke
     started = time.monotonic()
     _wait_for_peer_errors(str(mine), timeout_s=5.0)
     assert time.monotonic() - started < 1.0  # every rank recorded its error: no waiting
+
+
+def test_a_second_fork_launch_from_another_environment_is_an_error(monkeypatch):
+    """The fork server keeps the environment it started with: a later fork launch of the same process whose
+    environment changed is refused, naming what changed, rather than starting ranks with the old one."""
+    from metadist import forking
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    started = (dict(os.environ), (*forking.FORK_PRELOAD, "metadist.runtime.worker"))
+    monkeypatch.setattr(forking, "_SERVER", [started])
+    monkeypatch.setenv("CHANGED_AFTER_THE_SERVER_STARTED", "1")
+    with pytest.raises(RuntimeError, match="changed: CHANGED_AFTER_THE_SERVER_STARTED"):
+        forking.start_fork_server("metadist.runtime.worker", 2)
+    monkeypatch.delenv("CHANGED_AFTER_THE_SERVER_STARTED")
+    with pytest.raises(RuntimeError, match="the modules, now"):
+        forking.start_fork_server("metadist.bench.harness", 2)

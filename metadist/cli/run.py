@@ -215,7 +215,6 @@ def run_jax_multihost_route(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..ir import Mesh
-    from ..runtime.launch import LocalLaunch
 
     if is_jax_route(args):
         return run_jax_route(args)
@@ -247,7 +246,13 @@ def run(args: argparse.Namespace) -> int:
             f"the mesh {mesh} has {mesh.size} devices but --nproc is {args.nproc}; "
             f"pass --nproc {mesh.size} or a mesh of {args.nproc} devices"
         )
-    # this process has computed nothing with torch: its ranks may be forks of it (LocalLaunch.fork)
+    # the ranks are forks of a fork server (LocalLaunch.fork), started before this process imports torch so that the
+    # two imports run side by side; a machine with CUDA spawns its ranks and leaves the server idle
+    from ..forking import start_fork_server
+
+    start_fork_server("metadist.runtime.worker", args.nproc)
+    from ..runtime.launch import LocalLaunch
+
     outcome = launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)),
                                             nproc=args.nproc, log_dir=log_dir(args), name=args.model,
                                             max_restarts=args.max_restarts, fork=True), "metadist run")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..forking import environment, rank_environment, start_fork_server
 from .failure import ExceptionReport, UserFrame, phase_file_path
 
 __all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "default_log_dir", "failure_block", "launch_local"]
@@ -55,20 +56,17 @@ class LocalLaunch:
     max_restarts: int = 0
     """Times torchelastic restarts the whole group after a rank fails (each attempt logs in ``attempt_N``)."""
     fork: bool = False
-    """Start the ranks as forks of this process, ``module`` and :data:`FORK_PRELOAD` imported first, where
-    :func:`fork_is_safe` (each rank then skips importing torch and MetaDist: seconds of a short run); otherwise,
-    and by default, each rank is a new ``python -m module``. Only for a process that has run no torch computation
-    (OpenMP's thread pool does not survive a fork: a forked rank's first parallel op would hang), such as
-    ``metadist run``'s, which only reads its arguments before it launches."""
+    """Start the ranks as forks of a fork server (:mod:`metadist.forking`: a new interpreter this process starts,
+    which imports ``module`` and MetaDist's runtime once and forks a rank on each request), where
+    :func:`fork_is_safe`: each rank then skips importing torch and MetaDist, seconds of a short run. The server is
+    single-threaded when it forks; this process is not (the launcher's stores serve the ranks from threads of their
+    own), and a fork of it could hang on a lock one of those threads held. Otherwise each rank is a new
+    ``python -m module``. A process forks its ranks from one environment: a second fork launch in the same process
+    with other environment variables is an error (:func:`metadist.forking.start_fork_server`)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ValueError(f"nproc must be at least 1, got {self.nproc}")
-
-
-FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "metadist.runtime.build",
-                "metadist.runtime.step", "metadist.runtime.check", "metadist.solver", "metadist.ir.plan")
-"""Modules a forked rank's recipe imports, imported once by the launching process before it forks."""
 
 
 def fork_is_safe() -> bool:
@@ -169,18 +167,13 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=launch.nproc, run_id="ranks", role="rank",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=launch.max_restarts, monitor_interval=0.1,
-        start_method="fork" if fork else "spawn", logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
+        start_method="forkserver" if fork else "spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_folder), redirects=redirects),
     )
-    if fork:
-        import importlib
-
-        for module in (*FORK_PRELOAD, launch.module):
-            importlib.import_module(module)
-    # as torchrun does: one OpenMP thread per rank unless the user chose otherwise
-    threads = "1" if launch.nproc > 1 and "OMP_NUM_THREADS" not in os.environ else ""
-    with _launcher_log(run_folder / "launcher.log"), _environment(OMP_NUM_THREADS=threads):
+    with _launcher_log(run_folder / "launcher.log"), environment(**rank_environment(launch.nproc)):
         try:
             if fork:
+                start_fork_server(launch.module, launch.nproc)
                 elastic_launch(config, _forked_rank)(launch.module, *launch.args)
             else:
                 elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
@@ -198,24 +191,12 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
 def _forked_rank(module: str, *args: str) -> None:
     """A forked rank: ``module.main(args)``, what ``python -m module args...`` runs in a spawned rank.
 
-    What the fork inherited and a new process would not have is undone first: the launcher's signal handlers
-    (torchelastic's, which would turn the agent's SIGTERM into an exception of the rank's own), the launcher's log
-    file on :data:`_LAUNCHER_LOGGERS`, and the intra-op thread count (OpenMP read ``OMP_NUM_THREADS`` when
-    the launcher imported torch, before the launch set it). Returns on success; a failing rank exits non-zero.
+    The fork server started with the launch's environment (``OMP_NUM_THREADS`` included) and default signal handlers,
+    and forks from before any torch computation, so the rank starts as a spawned one would. Returns on success; a
+    failing rank exits non-zero.
     """
     import importlib
 
-    import torch
-
-    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for name, saved in (_SAVED_TORCH_LOGGING[-1] if _SAVED_TORCH_LOGGING else {}).items():
-        logger = logging.getLogger(name)
-        logger.handlers, logger.propagate, logger.level = saved
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
     sys.argv = [module, *args]
     # ``module.main(argv)``, not its ``__main__`` block: that leaves through os._exit, and a forked rank reports its
     # success by returning (multiprocessing ends the fork with os._exit after, skipping C++ teardown all the same)
@@ -323,11 +304,9 @@ def _launcher_log(path: Path) -> Iterator[None]:
         saved[name] = (list(logger.handlers), logger.propagate, logger.level)
         logger.handlers = [handler]
         logger.propagate, logger.level = False, logging.INFO
-    _SAVED_TORCH_LOGGING.append(saved)  # what a forked rank puts back (_forked_rank)
     try:
         yield
     finally:
-        _SAVED_TORCH_LOGGING.pop()
         handler.close()
         for name, (handlers, propagate, level) in saved.items():
             logger = logging.getLogger(name)
@@ -336,24 +315,6 @@ def _launcher_log(path: Path) -> Iterator[None]:
 
 _LAUNCHER_LOGGERS = ("torch.distributed", "torch.multiprocessing")
 """The loggers whose records the launch keeps in its ``launcher.log``."""
-
-_SAVED_TORCH_LOGGING: list[dict[str, tuple]] = []
-"""Each of :data:`_LAUNCHER_LOGGERS`' state before :func:`_launcher_log` replaced it (innermost launch last)."""
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """Set environment variables the ranks inherit (an empty value leaves a variable as it is)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update({name: value for name, value in values.items() if value})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 # ---------------------------------------------------------------------------- the block
