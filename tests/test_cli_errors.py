@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from metadist.runtime.failure import ExceptionReport, RankErrorHandler, UserFrame, describe_exception, user_frame
-from metadist.runtime.launch import LaunchOutcome, RankFailure, failure_block
+from metadist.runtime.launch import LaunchOutcome, RankFailure, SilentRank, failure_block
 
 #: Lines torchrun prints when it reports a failure itself.
 TORCHRUN_BANNERS = ("ChildFailedError", "Root Cause", "torch.distributed.elastic", "OMP_NUM_THREADS", "*****")
@@ -200,6 +201,46 @@ def _log_path(stderr: str) -> Path:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_a_rank_the_others_timed_out_waiting_for_is_named_with_where_it_was(tmp_path):
+    """Every failure is a timeout waiting for a peer, and one rank recorded none: the launcher stopped it, and its log
+    ends with the Python stacks faulthandler wrote at the SIGTERM. The block names that rank, its phase and the user's
+    line it was on, whichever thread's stack comes first."""
+    script = tmp_path / "stuck_model.py"
+    script.write_text(textwrap.dedent("""\
+        import faulthandler, signal, sys, threading, time
+
+        def wait_forever():
+            time.sleep(600)
+
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        print("loading", file=sys.stderr, flush=True)
+        wait_forever()
+    """))
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as handle:
+        stuck = subprocess.Popen([sys.executable, str(script)], stderr=handle)
+        deadline = time.monotonic() + 60
+        while "loading" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        stuck.terminate()
+        assert stuck.wait(timeout=60) == -signal.SIGTERM
+    assert log.read_text().count("(most recent call first):") == 2  # both threads' stacks
+    timeout = "DistStoreError: wait timeout after 120000ms, keys: /default_pg/0//cpu//0/3"
+    peers = tuple(_failure(rank, type_="DistStoreError", message=timeout, kind="peer", phase="setup", time_s=5.0)
+                  for rank in (0, 1, 2))
+    outcome = LaunchOutcome(Path("runs/r3"), peers, silent=(SilentRank(rank=3, phase="setup", log=log),))
+    block = failure_block(outcome, "metadist run").splitlines()
+    assert block[0] == "metadist run: rank 0 failed during setup"
+    at = block.index("  rank 3 recorded no failure: the launcher stopped it during setup")
+    assert block[at + 1] == f"    at {script}:4 in wait_forever: time.sleep(600)", block
+    assert block[at + 2] == f"    its log, which ends with its Python stack: {log}"
+    # a rank that failed on its own is the cause: the ranks stopped after it are no news
+    own = LaunchOutcome(Path("runs/r4"), (_failure(0),), silent=(SilentRank(rank=1, phase="capture", log=log),))
+    assert "recorded no failure" not in failure_block(own, "metadist run")
+
+
 def test_an_exception_in_the_users_forward_is_one_block(tmp_path):
     result, model = _metadist_run(tmp_path, RAISING_MODEL)
     terminal = result.stdout + result.stderr

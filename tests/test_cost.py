@@ -353,8 +353,8 @@ def test_the_calibration_keeps_the_slowest_ranks_figure_of_each_kind():
     pytest.importorskip("torch")
     from metadist.cost.calibrate_worker import slower_when_larger
 
-    seconds = ["op_overhead_s", "captured_step_s", "eager_step_s", "dtensor_op_s", "sustained_slowdown", "core_sharing",
-               "compute_phase_s", "in_step_collective_s", "in_step_collective_s:2", "in_step_collective_short_s:2",
+    seconds = ["op_overhead_s", "captured_step_s", "captured_roofline_s", "eager_step_s", "dtensor_op_s",
+               "sustained_slowdown", "core_sharing", "compute_phase_s", "in_step_collective_s", "in_step_collective_s:2", "in_step_collective_short_s:2",
                "in_step_collective_long_s", "op_element_s:tanh", "fsdp_unit_s:zero2:262144",
                "fsdp_unit_s:zero3:33547264", "fsdp_unit_s:zero2:262144:2"]
     rates = ["peak_flops_per_s", "peak_flops_per_s_bfloat16", "memory_bandwidth_bytes_per_s",

@@ -97,6 +97,40 @@ def test_ranks_failing_alike_are_told_as_one_block_naming_rank_0(tmp_path):
     assert "Terminating process" not in result.stdout + result.stderr
 
 
+STUCK_MODEL = '''
+import os, time
+import torch
+import metadist
+
+def workload():
+    if os.environ["RANK"] == "1":
+        time.sleep(600)  # this rank never finishes loading
+    torch.manual_seed(0)
+    return metadist.Workload(model=torch.nn.Linear(8, 4), batch={"x": torch.randn(4, 8)},
+                             loss_fn=lambda m, b: m(b["x"]).square().mean(),
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+'''
+
+
+@pytest.mark.distributed
+def test_a_rank_that_never_comes_is_named_with_the_line_it_was_stuck_on(tmp_path):
+    """Rank 1 hangs in the model file; rank 0 times out waiting for it in its first collective. The block names rank 0's
+    timeout and then rank 1: it recorded nothing, the launcher stopped it during load, at the user's line, and its
+    log ends with its Python stack (written at the launcher's SIGTERM)."""
+    model = tmp_path / "model_file.py"
+    model.write_text(STUCK_MODEL)
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(model), "--nproc", "2", "--steps", "1",
+                             "--timeout-s", "10", "--log-dir", str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    block = result.stderr.splitlines()
+    assert block[0] == "metadist run: rank 0 failed during load", result.stderr
+    at = block.index("  rank 1 recorded no failure: the launcher stopped it during load")
+    assert block[at + 1] == f"    at {model}:8 in workload: time.sleep(600)  # this rank never finishes loading", block
+    log = Path(block[at + 2].split(": ", 1)[1])
+    assert log.name == "stderr.log" and "in workload" in log.read_text()
+
+
 def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):
     """Ranks are spawned by default (a caller that ran torch computation must not fork: OpenMP's threads do not
     survive it), and on a machine with a CUDA device even when asked."""
@@ -146,3 +180,11 @@ def test_a_second_fork_launch_from_another_environment_is_an_error(monkeypatch):
     monkeypatch.delenv("CHANGED_AFTER_THE_SERVER_STARTED")
     with pytest.raises(RuntimeError, match="the modules, now"):
         forking.start_fork_server("metadist.bench.harness", 2)
+
+
+def test_the_fork_server_module_imports_no_torch():
+    """``metadist run`` starts the fork server before it imports torch, so that the server's imports and its own run
+    side by side: the module that starts it must not import torch itself."""
+    code = "import sys, metadist.forking; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr

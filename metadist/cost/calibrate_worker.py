@@ -401,11 +401,13 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
     return {key: s * value for s, key, value in zip(sign, keys, values.tolist())}
 
 
-_SECONDS = frozenset({"op_overhead_s", "captured_step_s", "eager_step_s", "in_step_collective_s", "compute_phase_s",
-                      "in_step_collective_short_s", "compute_phase_short_s", "in_step_collective_long_s", "compute_phase_long_s",
-                      "sustained_slowdown", "core_sharing", "dtensor_op_s"})
+_SECONDS = frozenset({"op_overhead_s", "captured_step_s", "captured_roofline_s", "eager_step_s", "in_step_collective_s",
+                      "compute_phase_s", "in_step_collective_short_s", "compute_phase_short_s",
+                      "in_step_collective_long_s", "compute_phase_long_s", "sustained_slowdown", "core_sharing",
+                      "dtensor_op_s"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every key of :data:`_SECONDS_PREFIXES`;
-the others are rates (the smallest)."""
+the others are rates (the smallest). Up to version 27 ``captured_roofline_s`` was taken for a rate; every rank computes
+it from the same (already reduced) rates, so the figure kept was the same."""
 
 _SECONDS_PREFIXES = ("op_element_s:", "in_step_collective_s:", "in_step_collective_short_s:",
                      "in_step_collective_long_s:", "fsdp_unit_s:")

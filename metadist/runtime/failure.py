@@ -83,9 +83,17 @@ def phase_file_path(error_file: str | os.PathLike) -> Path:
 class RankErrorHandler(ErrorHandler):
     """torchelastic's error handler (``TORCHELASTIC_ERROR_FILE``), its JSON with ``extraInfo.metadist`` added.
 
-    ``initialize`` (the base class's, run by ``record``) enables ``faulthandler``: a rank that
-    crashes in native code leaves its Python stack in its log.
+    ``initialize`` (run by ``record``) enables ``faulthandler``: a rank that crashes in native code leaves its Python
+    stack in its log (the base class's), and so does a rank that the launcher stops with SIGTERM once another rank
+    failed: where it was, which says why a rank the others timed out waiting for never came.
     """
+
+    def initialize(self) -> None:
+        import faulthandler
+        import signal
+
+        super().initialize()
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # chain: the signal still ends the rank
 
     def phase_file(self) -> Path | None:
         """Where this rank keeps its phase file; None when not started by torchelastic."""

@@ -31,7 +31,7 @@ from typing import Iterator
 from ..forking import environment, rank_environment, start_fork_server
 from .failure import ExceptionReport, UserFrame, phase_file_path
 
-__all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "default_log_dir", "failure_block", "launch_local"]
+__all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "SilentRank", "default_log_dir", "failure_block", "launch_local"]
 
 #: Run folders kept in the default log folder; older ones are removed when a run starts.
 KEEP_RUNS = 20
@@ -115,6 +115,18 @@ class RankFailure:
 
 
 @dataclass(frozen=True)
+class SilentRank:
+    """A rank of a failed attempt that recorded no failure: still running when the launcher stopped it. Where every
+    failure is a consequence (a timeout waiting for a peer), such a rank is the one the others waited for."""
+
+    rank: int
+    phase: str | None
+    """The phase it was in (its phase file), or None if it never wrote one."""
+    log: Path
+    """Its standard error, which ends with its Python stack when the launcher stopped it (``RankErrorHandler``)."""
+
+
+@dataclass(frozen=True)
 class LaunchOutcome:
     """What a local run left: its folder and its failures (none: it succeeded)."""
 
@@ -122,6 +134,8 @@ class LaunchOutcome:
     failures: tuple[RankFailure, ...]
     restarts: int = 0
     """Times the group was restarted (its last attempt is the one that succeeded or whose failures these are)."""
+    silent: tuple[SilentRank, ...] = ()
+    """The last attempt's ranks that recorded no failure: the launcher stopped them when the first failure ended it."""
 
     @property
     def ok(self) -> bool:
@@ -182,7 +196,8 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
             if fork:  # torch's process context reports the first rank that exits: the others' error files say the rest
                 exitcodes = {**_recorded_failures(run_folder, launch.nproc), **exitcodes}
             failures = tuple(_rank_failure(run_folder, rank, code) for rank, code in sorted(exitcodes.items()))
-            return LaunchOutcome(run_folder, failures, _restarts(run_folder))
+            silent = tuple(_silent_rank(run_folder, rank) for rank in range(launch.nproc) if rank not in exitcodes)
+            return LaunchOutcome(run_folder, failures, _restarts(run_folder), silent)
         except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
             raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
     return LaunchOutcome(run_folder, (), _restarts(run_folder))
@@ -191,12 +206,17 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
 def _forked_rank(module: str, *args: str) -> None:
     """A forked rank: ``module.main(args)``, what ``python -m module args...`` runs in a spawned rank.
 
-    The fork server started with the launch's environment (``OMP_NUM_THREADS`` included) and default signal handlers,
-    and forks from before any torch computation, so the rank starts as a spawned one would. Returns on success; a
-    failing rank exits non-zero.
+    The fork server started with the launch's environment (``OMP_NUM_THREADS`` included) and forks from before any
+    torch computation. Its signal dispositions are those the command inherited, and a command started with SIGINT
+    ignored (a background job of a shell without job control) would pass that on: the rank's signals are set to
+    Python's defaults first, so that Ctrl-C and the launcher's SIGTERM stop it. Returns on success; a failing rank
+    exits non-zero.
     """
     import importlib
 
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [module, *args]
     # ``module.main(argv)``, not its ``__main__`` block: that leaves through os._exit, and a forked rank reports its
     # success by returning (multiprocessing ends the fork with os._exit after, skipping C++ teardown all the same)
@@ -288,6 +308,14 @@ def _rank_failure(run_folder: Path, rank: int, exitcode: int) -> RankFailure:
                        exception=exception, log=folder / "stderr.log")
 
 
+def _silent_rank(run_folder: Path, rank: int) -> SilentRank:
+    from ..progress import read_phase_file
+
+    folder = rank_folder(run_folder, rank)
+    return SilentRank(rank=rank, phase=read_phase_file(phase_file_path(folder / "error.json")),
+                      log=folder / "stderr.log")
+
+
 @contextlib.contextmanager
 def _launcher_log(path: Path) -> Iterator[None]:
     """torch.distributed's log records (the elastic agent's) and torch.multiprocessing's (a forked group's: "Terminating
@@ -345,6 +373,14 @@ def failure_block(outcome: LaunchOutcome, command: str) -> str:
     others = [failure for failure in outcome.failures if failure is not cause]
     if others:
         lines.append("  also failed: " + "; ".join(_short(failure, cause) for failure in others))
+    if cause.is_consequence:
+        for rank in outcome.silent:  # the rank the others waited for, and where it was
+            lines.append(f"  rank {rank.rank} recorded no failure: the launcher stopped it "
+                         + (f"during {rank.phase}" if rank.phase else "before its first phase"))
+            frame = _stop_frame(rank.log)
+            if frame is not None:
+                lines.append(f"    at {frame.where()}" + (f": {frame.source}" if frame.source else ""))
+            lines.append(f"    its log, which ends with its Python stack: {rank.log}")
     lines.append(f"  logs of every rank: {outcome.run_folder}")
     return "\n".join(lines)
 
@@ -415,19 +451,13 @@ def _exit_hint(failure: RankFailure) -> str:
 
 _FATAL = re.compile(r"^Fatal Python error: (.*)$")
 _FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
 
 
 def _crash_details(log: Path) -> tuple[str | None, UserFrame | None]:
     """From a crashed rank's log: the native library's message before the crash, and the user's line in
     the Python stack that ``faulthandler`` wrote (torchelastic's error handler enables it)."""
-    from .failure import is_library_file, is_user_file
-
-    try:
-        with open(log, "rb") as handle:
-            handle.seek(max(0, os.path.getsize(log) - 65536))
-            lines = handle.read().decode(errors="replace").splitlines()
-    except FileNotFoundError:
-        return None, None
+    lines = _log_tail(log)
     fatal = next((i for i in range(len(lines) - 1, -1, -1) if _FATAL.match(lines[i])), None)
     if fatal is None:
         return None, None
@@ -440,11 +470,53 @@ def _crash_details(log: Path) -> tuple[str | None, UserFrame | None]:
         match = _FRAME.match(line)
         if match:
             frames.append(UserFrame(match[1], int(match[2]), match[3].strip(), ""))
+    return native, _shown_frame(frames)
+
+
+def _stop_frame(log: Path) -> UserFrame | None:
+    """The user's line (else the innermost line) in the Python stacks a stopped rank's log ends with: what
+    ``faulthandler`` wrote when the launcher's SIGTERM reached it (:class:`metadist.runtime.failure.RankErrorHandler`)."""
+    from .failure import is_user_file
+
+    lines = _log_tail(log)
+    headers = [i for i, line in enumerate(lines) if _THREAD.match(line)]
+    if not headers:
+        return None
+    start = headers[-1]  # the dump's first thread: earlier headers separated from it by frames and blank lines only
+    for header in reversed(headers[:-1]):
+        if not all(_FRAME.match(line) or not line.strip() for line in lines[header + 1:start]):
+            break
+        start = header
+    frames = []
+    for line in lines[start:]:
+        match = _FRAME.match(line)
+        if match:
+            frames.append(UserFrame(match[1], int(match[2]), match[3].strip(), ""))
+        elif line.strip() and not _THREAD.match(line):
+            break
+    shown = next((frame for frame in frames if is_user_file(frame.file)), frames[0] if frames else None)
+    return _with_source(shown) if shown is not None else None
+
+
+def _shown_frame(frames: list[UserFrame]) -> UserFrame | None:
+    """Of a stack's frames (innermost first), the first in the user's code, else in a third-party library."""
+    from .failure import is_library_file, is_user_file
+
     for accept in (is_user_file, is_library_file):
         for frame in frames:
             if accept(frame.file):
-                return native, _with_source(frame)
-    return native, None
+                return _with_source(frame)
+    return None
+
+
+def _log_tail(log: Path) -> list[str]:
+    """The last 64 KiB of a rank's log, as lines ([] if it has none)."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, os.path.getsize(log) - 65536))
+            return handle.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
 
 
 def _with_source(frame: UserFrame) -> UserFrame:
