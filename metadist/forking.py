@@ -16,13 +16,20 @@ import contextlib
 import os
 from typing import Iterator
 
-__all__ = ["FORK_PRELOAD", "environment", "rank_environment", "start_fork_server"]
+__all__ = ["FORK_PRELOAD", "environment", "fork_server_exists", "rank_environment", "start_fork_server"]
 
 FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "metadist.runtime.build",
                 "metadist.runtime.step", "metadist.runtime.check", "metadist.solver", "metadist.ir.plan",
                 "metadist.runtime.launch")
 """Modules a forked rank's recipe imports (and the launch module, which holds the rank's entry point), imported once
 by the fork server before it forks."""
+
+
+def fork_server_exists() -> bool:
+    """Whether this platform has multiprocessing's fork server (POSIX does; Windows does not: ranks are spawned)."""
+    import multiprocessing
+
+    return "forkserver" in multiprocessing.get_all_start_methods()
 
 
 def rank_environment(nproc: int) -> dict[str, str]:
@@ -52,9 +59,13 @@ def start_fork_server(module: str, nproc: int) -> None:
     The server is a new interpreter with this process's environment (with :func:`rank_environment`) and
     ``sys.path`` of now: a rank forked from it sees that environment, plus torchelastic's variables of its rank,
     however this process's environment changes later. So a process forks its ranks from one environment; a launch
-    from another raises instead of starting ranks with a stale one.
+    from another raises instead of starting ranks with a stale one. Where no fork server exists, nothing is started
+    (the ranks are spawned, :func:`metadist.runtime.launch.fork_is_safe`).
     """
     import multiprocessing
+
+    if not fork_server_exists():
+        return
     from multiprocessing import forkserver
 
     modules = (*FORK_PRELOAD, module)

@@ -133,9 +133,13 @@ def test_a_rank_that_never_comes_is_named_with_the_line_it_was_stuck_on(tmp_path
 
 def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):
     """Ranks are spawned by default (a caller that ran torch computation must not fork: OpenMP's threads do not
-    survive it), and on a machine with a CUDA device even when asked."""
+    survive it), and on a machine with a CUDA device or without a fork server (Windows) even when asked; there
+    ``metadist run`` starts no server."""
+    import multiprocessing
+
     import torch
 
+    from metadist import forking
     from metadist.runtime.launch import LocalLaunch, fork_is_safe
 
     assert LocalLaunch(module="m", args=(), nproc=2, log_dir=Path("."), name="n").fork is False
@@ -143,6 +147,11 @@ def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):
     assert not fork_is_safe()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert fork_is_safe()
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert not fork_is_safe()
+    monkeypatch.setattr(forking, "_SERVER", [])
+    forking.start_fork_server("metadist.runtime.worker", 2)
+    assert forking._SERVER == []
 
 
 def test_a_failing_fork_waits_for_its_peers_errors_and_no_longer(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..forking import environment, rank_environment, start_fork_server
+from ..forking import environment, fork_server_exists, rank_environment, start_fork_server
 from .failure import ExceptionReport, UserFrame, phase_file_path
 
 __all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "SilentRank", "default_log_dir", "failure_block", "launch_local"]
@@ -70,11 +70,12 @@ class LocalLaunch:
 
 
 def fork_is_safe() -> bool:
-    """Whether this machine lets ranks be forked: no CUDA device. A rank cannot use CUDA in a fork of a process that
-    initialised it, and asking whether a device exists does; where one exists the ranks are spawned."""
+    """Whether this machine lets ranks be forked: a fork server exists (POSIX) and no CUDA device does. A rank cannot
+    use CUDA in a fork of a process that initialised it, and asking whether a device exists does; where one exists
+    the ranks are spawned."""
     import torch
 
-    return not torch.cuda.is_available()
+    return fork_server_exists() and not torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
