@@ -16,6 +16,14 @@ from pathlib import Path
 
 import pytest
 
+TINY_WORKLOAD = '''
+    torch.manual_seed(0)
+    return metadist.Workload(model=torch.nn.Linear(8, 4), batch={"x": torch.randn(4, 8)},
+                             loss_fn=lambda m, b: m(b["x"]).square().mean(),
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+'''
+"""The end of a model file's ``workload()``: a tiny seeded model and step."""
+
 REPORTING_MODEL = '''
 import json, logging, os, signal, sys
 import torch
@@ -40,11 +48,7 @@ def workload():
     }
     with open(os.path.join(os.environ["FACTS_DIR"], f"rank{rank}.json"), "w") as out:
         json.dump(facts, out)
-    torch.manual_seed(0)
-    return metadist.Workload(model=torch.nn.Linear(8, 4), batch={"x": torch.randn(4, 8)},
-                             loss_fn=lambda m, b: m(b["x"]).square().mean(),
-                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-'''
+''' + TINY_WORKLOAD
 
 
 @pytest.mark.distributed
@@ -105,11 +109,7 @@ import metadist
 def workload():
     if os.environ["RANK"] == "1":
         time.sleep(600)  # this rank never finishes loading
-    torch.manual_seed(0)
-    return metadist.Workload(model=torch.nn.Linear(8, 4), batch={"x": torch.randn(4, 8)},
-                             loss_fn=lambda m, b: m(b["x"]).square().mean(),
-                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-'''
+''' + TINY_WORKLOAD
 
 
 @pytest.mark.distributed
@@ -119,8 +119,8 @@ def test_a_rank_that_never_comes_is_named_with_the_line_it_was_stuck_on(tmp_path
     log ends with its Python stack (written at the launcher's SIGTERM)."""
     model = tmp_path / "model_file.py"
     model.write_text(STUCK_MODEL)
-    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(model), "--nproc", "2", "--steps", "1",
-                             "--timeout-s", "10", "--log-dir", str(tmp_path / "logs")],
+    result = subprocess.run([sys.executable, "-m", "metadist.cli.main", "run", str(model), "--nproc", "2",
+                             "--steps", "1", "--timeout-s", "10", "--log-dir", str(tmp_path / "logs")],
                             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 1, result.stdout + result.stderr
     block = result.stderr.splitlines()
@@ -129,6 +129,26 @@ def test_a_rank_that_never_comes_is_named_with_the_line_it_was_stuck_on(tmp_path
     assert block[at + 1] == f"    at {model}:8 in workload: time.sleep(600)  # this rank never finishes loading", block
     log = Path(block[at + 2].split(": ", 1)[1])
     assert log.name == "stderr.log" and "in workload" in log.read_text()
+
+
+@pytest.mark.distributed
+def test_a_spawned_rank_that_never_comes_is_named_too(tmp_path, monkeypatch):
+    """Spawned ranks (a machine with CUDA, ``metadist bench``): torchelastic reports the rank it stopped as failed by
+    SIGTERM. Beside rank 0's recorded timeout that rank did not fail, it was stopped: the block names rank 0 as the
+    failure and rank 1 as the rank it waited for, with its line."""
+    from metadist.runtime.launch import LocalLaunch, failure_block, launch_local
+
+    model = tmp_path / "model_file.py"
+    model.write_text(STUCK_MODEL)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    outcome = launch_local(LocalLaunch(module="metadist.runtime.worker", args=(str(model), "--steps", "1",
+                                                                              "--timeout-s", "10"),
+                                       nproc=2, log_dir=tmp_path / "logs", name="stuck", show_rank0_stdout=False))
+    assert [failure.rank for failure in outcome.failures] == [0] and [rank.rank for rank in outcome.silent] == [1]
+    block = failure_block(outcome, "metadist run").splitlines()
+    assert block[0] == "metadist run: rank 0 failed during load", block
+    at = block.index("  rank 1 recorded no failure: the launcher stopped it during load")
+    assert block[at + 1] == f"    at {model}:8 in workload: time.sleep(600)  # this rank never finishes loading", block
 
 
 def test_a_launch_forks_only_where_asked_and_safe(monkeypatch):

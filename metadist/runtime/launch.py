@@ -31,7 +31,8 @@ from typing import Iterator
 from ..forking import environment, fork_server_exists, rank_environment, start_fork_server
 from .failure import ExceptionReport, UserFrame, phase_file_path
 
-__all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "SilentRank", "default_log_dir", "failure_block", "launch_local"]
+__all__ = ["LaunchOutcome", "LocalLaunch", "RankFailure", "SilentRank", "default_log_dir", "failure_block",
+           "launch_local"]
 
 #: Run folders kept in the default log folder; older ones are removed when a run starts.
 KEEP_RUNS = 20
@@ -194,10 +195,15 @@ def launch_local(launch: LocalLaunch) -> LaunchOutcome:
                 elastic_launch(config, sys.executable)("-u", "-m", launch.module, *launch.args)
         except ChildFailedError as err:
             exitcodes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+            recorded = _recorded_failures(run_folder, launch.nproc)
             if fork:  # torch's process context reports the first rank that exits: the others' error files say the rest
-                exitcodes = {**_recorded_failures(run_folder, launch.nproc), **exitcodes}
+                exitcodes = {**recorded, **exitcodes}
+            elif recorded:  # spawned ranks the launcher stopped after a recorded failure did not fail: they were stopped
+                exitcodes = {rank: code for rank, code in exitcodes.items()
+                             if rank in recorded or code != -signal.SIGTERM}
             failures = tuple(_rank_failure(run_folder, rank, code) for rank, code in sorted(exitcodes.items()))
-            silent = tuple(_silent_rank(run_folder, rank) for rank in range(launch.nproc) if rank not in exitcodes)
+            silent = tuple(_silent_rank(run_folder, rank) for rank in range(launch.nproc)
+                           if rank not in exitcodes and rank not in recorded)
             return LaunchOutcome(run_folder, failures, _restarts(run_folder), silent)
         except SignalException as err:  # Ctrl-C or a scheduler: the agent stopped the ranks
             raise KeyboardInterrupt(f"{err.sigval.name}: the ranks were stopped; their logs are in {run_folder}") from err
@@ -476,7 +482,8 @@ def _crash_details(log: Path) -> tuple[str | None, UserFrame | None]:
 
 def _stop_frame(log: Path) -> UserFrame | None:
     """The user's line (else the innermost line) in the Python stacks a stopped rank's log ends with: what
-    ``faulthandler`` wrote when the launcher's SIGTERM reached it (:class:`metadist.runtime.failure.RankErrorHandler`)."""
+    ``faulthandler`` wrote when the launcher's SIGTERM reached it (:class:`~metadist.runtime.failure.RankErrorHandler`
+    registers it)."""
     from .failure import is_user_file
 
     lines = _log_tail(log)
