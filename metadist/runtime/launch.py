@@ -464,6 +464,8 @@ _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call f
 def _crash_details(log: Path) -> tuple[str | None, UserFrame | None]:
     """From a crashed rank's log: the native library's message before the crash, and the user's line in
     the Python stack that ``faulthandler`` wrote (torchelastic's error handler enables it)."""
+    from .failure import is_library_file, is_user_file
+
     lines = _log_tail(log)
     fatal = next((i for i in range(len(lines) - 1, -1, -1) if _FATAL.match(lines[i])), None)
     if fatal is None:
@@ -474,10 +476,14 @@ def _crash_details(log: Path) -> tuple[str | None, UserFrame | None]:
     for line in lines[fatal + 1:]:
         if line.startswith("Thread ") and frames:
             break  # the current thread's stack comes first; other threads follow
-        match = _FRAME.match(line)
-        if match:
-            frames.append(UserFrame(match[1], int(match[2]), match[3].strip(), ""))
-    return native, _shown_frame(frames)
+        frame = _frame_of(line)
+        if frame is not None:
+            frames.append(frame)
+    for accept in (is_user_file, is_library_file):
+        for frame in frames:
+            if accept(frame.file):
+                return native, _with_source(frame)
+    return native, None
 
 
 def _stop_frame(log: Path) -> UserFrame | None:
@@ -497,24 +503,19 @@ def _stop_frame(log: Path) -> UserFrame | None:
         start = header
     frames = []
     for line in lines[start:]:
-        match = _FRAME.match(line)
-        if match:
-            frames.append(UserFrame(match[1], int(match[2]), match[3].strip(), ""))
+        frame = _frame_of(line)
+        if frame is not None:
+            frames.append(frame)
         elif line.strip() and not _THREAD.match(line):
             break
     shown = next((frame for frame in frames if is_user_file(frame.file)), frames[0] if frames else None)
     return _with_source(shown) if shown is not None else None
 
 
-def _shown_frame(frames: list[UserFrame]) -> UserFrame | None:
-    """Of a stack's frames (innermost first), the first in the user's code, else in a third-party library."""
-    from .failure import is_library_file, is_user_file
-
-    for accept in (is_user_file, is_library_file):
-        for frame in frames:
-            if accept(frame.file):
-                return _with_source(frame)
-    return None
+def _frame_of(line: str) -> UserFrame | None:
+    """A frame of a ``faulthandler`` stack (``  File "f.py", line 9 in step``), without its source line."""
+    match = _FRAME.match(line)
+    return UserFrame(match[1], int(match[2]), match[3].strip(), "") if match else None
 
 
 def _log_tail(log: Path) -> list[str]:
