@@ -4,7 +4,8 @@ One spawned session runs every check: each coalesced collective against the same
 members run one by one (equal results and bytes, one call), then two SGD steps of the
 MLP under a data-parallel plan and a ZeRO-3 plan with coalescing on (the default),
 compared with one device; the calls counted must equal the lowering's coalesced
-prediction and be fewer than without coalescing.
+prediction and be fewer than without coalescing. The runtime's all-gather, which gloo carries out as an all-to-all,
+must give what torch's own all-gather gives.
 """
 
 from __future__ import annotations
@@ -28,7 +29,34 @@ def _session() -> dict:
 
     torch.set_num_threads(1)
     device_mesh = setup_device_mesh(Mesh((2,)), read_torchrun_env(), timeout_s=60)
-    return {"collectives": _coalesced_vs_one_by_one(device_mesh), "plans": _mlp_steps(device_mesh)}
+    return {"collectives": _coalesced_vs_one_by_one(device_mesh), "plans": _mlp_steps(device_mesh),
+            "gather": _gather_against_torch(device_mesh)}
+
+
+def _gather_against_torch(device_mesh) -> dict:
+    """The runtime's all-gather (an all-to-all on gloo) against torch's own, on several dtypes and shapes."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from metadist.runtime.collectives import gathers_by_all_to_all, start_all_gather
+
+    group, rank = device_mesh.get_group(0), device_mesh.get_rank()
+    generator = torch.Generator().manual_seed(10 + rank)
+    tensors = [torch.randn(3, 5, generator=generator, dtype=torch.float64),
+               torch.randn(2, 3, 4, generator=generator).to(torch.bfloat16),
+               torch.randint(-9, 9, (4,), generator=generator)]
+    equal, ops = [], set()
+    for tensor in tensors:
+        want = tensor.new_empty((2 * tensor.shape[0], *tensor.shape[1:]))
+        dist.all_gather_into_tensor(want, tensor, group=group)
+        got = torch.full_like(want, 7)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start_all_gather(got, tensor, group, 2).wait()
+        ops |= {event.name for event in prof.events() if event.name.startswith("c10d::")}
+        rows = tensor.shape[0]
+        equal.append(torch.equal(want, got) and torch.equal(got[rank * rows:(rank + 1) * rows], tensor))
+    return {"equal": equal, "by_all_to_all": gathers_by_all_to_all(group, tensors[0]), "ops": sorted(ops)}
 
 
 def _coalesced_vs_one_by_one(device_mesh) -> dict:
@@ -112,5 +140,8 @@ def test_coalesced_collectives_and_mlp_plans_on_two_ranks():
             calls = sum(count for count, _ in outcome["measured"].values())
             assert calls < outcome["calls_uncoalesced"], (rank, name, outcome)
             assert sum(nbytes for _, nbytes in outcome["measured"].values()) == outcome["bytes_uncoalesced"]
+        assert result["gather"]["equal"] == [True, True, True], (rank, result["gather"])
+        assert result["gather"]["by_all_to_all"], "gloo: the runtime gathers by an all-to-all"
+        assert result["gather"]["ops"] == ["c10d::alltoall_base_"], result["gather"]["ops"]
         assert result["plans"]["dp"]["bucket_kinds"] == ["all_reduce"]
         assert result["plans"]["zero3"]["bucket_kinds"] == ["all_gather", "all_reduce", "reduce_scatter"]

@@ -26,6 +26,10 @@ collective the caller asked for, and on gloo (``backend="gloo"``) counts its wir
 all-reduce's, ``2 (g-1)/g`` payloads, which is what the rank sends (and what the cost model prices,
 :attr:`metadist.cost.cluster.Link.reduce_scatter_as_all_reduce`).
 
+MetaDist's runtime carries out an all-gather of CPU tensors on gloo as an all-to-all of its input repeated once per
+rank (:func:`metadist.runtime.collectives.start_all_gather`): the trace shows that all-to-all, whose payload (its
+input) is the gathered bytes and whose wire bytes are the all-gather's, ``(g-1)/g`` of them.
+
 **Group sizes.** The profiler does not record which process group a collective ran on. A gather's or a
 scatter's shapes tell its group size; an all-reduce's, an all-to-all's or a broadcast's do not, so on a mesh of
 more than one axis (collectives on sub-groups of different sizes) the trace alone cannot give wire bytes.

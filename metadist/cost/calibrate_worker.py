@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..files import write_atomically
+from ..runtime.collectives import start_all_gather
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,9 @@ def fsdp_group_sizes(world: int, shape: list[int]) -> list[int]:
 def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
     if op == "all_reduce":
         dist.all_reduce(tensor, group=group)
-    elif op == "all_gather":  # the single-tensor forms, as the runtime's functional collectives call them
-        dist.all_gather_into_tensor(torch.empty(tensor.numel() * size, dtype=tensor.dtype, device=tensor.device), tensor, group=group)
+    elif op == "all_gather":  # as the runtime carries it out (an all-to-all on gloo)
+        start_all_gather(torch.empty(tensor.numel() * size, dtype=tensor.dtype, device=tensor.device), tensor, group, size,
+                         async_op=False)
     elif op == "reduce_scatter":
         dist.reduce_scatter_tensor(torch.empty_like(tensor[: tensor.numel() // size]), tensor, group=group)
     else:
