@@ -59,6 +59,25 @@ def test_each_transition_uses_the_right_ring_collective(src, dst, kind, sent_byt
     assert moves[0].comm_s > sent_bytes / link.bandwidth_bytes_per_s
 
 
+@pytest.mark.parametrize("src, dst, copied", [
+    ((Shard(0),), (Replicate(),), [1 / 8, 1.0]),  # packed, then the gathered pieces copied out
+    ((Partial(),), (Replicate(),), [1.0, 1.0]),  # packed, then the flat buffer cloned
+    ((Partial(),), (Shard(1),), [1.0]),  # packed
+    ((Shard(0),), (Shard(1),), []),  # never coalesced
+])
+def test_the_search_prices_each_collective_with_the_copies_of_a_coalesced_call(src, dst, copied):
+    from metadist.cost.comm import priced_collective, resharding_collectives
+    from metadist.cost.compute import copy_seconds
+
+    cluster = cluster_for("h100x8", Mesh((8,)))
+    (kind, axis, ring_bytes), = resharding_collectives(SPEC, src, dst, cluster.mesh)
+    bare, _ = priced_collective(kind, ring_bytes, 8, cluster.link(axis))
+    numel = SPEC.nbytes / SPEC.itemsize
+    copies = sum(copy_seconds(cluster.device, SPEC.dtype, share * numel) for share in copied)
+    assert reshard(SPEC, src, dst, cluster).comm_s == pytest.approx(bare + copies)
+    assert bool(copies) == (kind != "all_to_all")
+
+
 def test_slicing_a_replicated_value_is_free_and_steps_follow_the_lowering():
     cluster = cluster_for("h100-ib", Mesh((2, 8)))
     assert reshard(SPEC, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster).comm_s == 0.0
