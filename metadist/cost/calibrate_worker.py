@@ -79,8 +79,8 @@ def _run(op: str, tensor: torch.Tensor, group, size: int) -> None:
     if op == "all_reduce":
         dist.all_reduce(tensor, group=group)
     elif op == "all_gather":  # as the runtime carries it out (an all-to-all on gloo)
-        start_all_gather(torch.empty(tensor.numel() * size, dtype=tensor.dtype, device=tensor.device), tensor, group, size,
-                         async_op=False)
+        gathered = torch.empty(tensor.numel() * size, dtype=tensor.dtype, device=tensor.device)
+        start_all_gather(gathered, tensor, group, size, async_op=False)
     elif op == "reduce_scatter":
         dist.reduce_scatter_tensor(torch.empty_like(tensor[: tensor.numel() // size]), tensor, group=group)
     else:

@@ -36,8 +36,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..lowering import CoalescedReshard, ReshardStep, chunk_bounds, comm_bytes
 
-__all__ = ["Collectives", "CommRecord", "gathers_by_all_to_all", "start_all_gather", "local_slice", "take_bounds", "pad_to", "unpad_to", "zero_partial", "run_steps",
-           "run_coalesced", "all_to_all_pieces", "unpack_all_reduce", "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all",
+__all__ = ["Collectives", "CommRecord", "gathers_by_all_to_all", "start_all_gather", "local_slice", "take_bounds",
+           "pad_to", "unpad_to", "zero_partial", "run_steps", "run_coalesced", "all_to_all_pieces", "unpack_all_reduce",
+           "unpack_all_gather", "unpack_reduce_scatter", "unpack_all_to_all",
            "apply_halo_step", "halo_trim"]
 
 
