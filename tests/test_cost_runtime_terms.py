@@ -558,3 +558,54 @@ def test_torchs_calls_wait_by_the_compute_spread_evenly_between_them():
     assert spread_waits(1.0, 3, []) == 0.0
     with pytest.raises(ValueError, match="waiting calls"):
         spread_waits(1.0, 1, [one_axis.link(0)] * 2)
+
+
+def test_fsdp_units_large_ones_priced_at_the_fastest_round_after_warm_up_rounds(tmp_path, monkeypatch):
+    # FSDP2's chains on one gloo process, with scripted step times: a small unit's figure is the median of its
+    # rounds, a large one's the fastest (version 30), each less the unsharded chain's, over the chain's units
+    import torch.distributed as dist
+
+    from metadist.cost import calibrate_worker as worker
+
+    small, large = 1 << 12, 1 << 14
+    monkeypatch.setattr(worker, "FSDP_UNIT_BYTES", (small, large))
+    monkeypatch.setattr(worker, "FSDP_LARGE_BYTES", large)
+    repeats = 5
+    # per round: plain, zero2, zero3 (ms); the large size's second round took page faults
+    script = {small: [(1, 4, 5), (1, 5, 9), (2, 6, 7), (1, 40, 6), (3, 5, 8)],
+              large: [(10, 50, 70), (30, 300, 400), (11, 52, 75), (12, 51, 72)]}
+    assert len(script[large]) == worker.FSDP_LARGE_ROUNDS
+    timed = [seconds / 1e3 for nbytes in (small, large) for round_ in script[nbytes] for seconds in round_]
+    calls = []
+    steps = []
+
+    def scripted(run, repeats_):
+        assert repeats_ == 1
+        run()
+        calls.append(1)
+        return timed[len(calls) - 1]
+
+    monkeypatch.setattr(worker, "median_seconds", scripted)
+    real_chain = worker._fsdp_chain
+
+    def counted_chain(width):
+        model = real_chain(width)
+        model.register_forward_hook(lambda *_: steps.append(width))
+        return model
+
+    monkeypatch.setattr(worker, "_fsdp_chain", counted_chain)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        figures = worker._fsdp_unit_seconds(1, repeats)
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == len(timed)  # every scripted time used, no more
+    widths = sorted(set(steps))
+    # the large chains: two untimed rounds of each variant before the four timed ones; the small: two steps each
+    assert steps.count(widths[1]) == 3 * (worker.FSDP_LARGE_WARMUP_ROUNDS + worker.FSDP_LARGE_ROUNDS)
+    assert steps.count(widths[0]) == 3 * (2 + repeats)
+    units = worker.FSDP_UNITS
+    assert figures[f"fsdp_unit_s:zero2:{widths[0] ** 2 * 4}"] == pytest.approx((5 - 1) / 1e3 / units)
+    assert figures[f"fsdp_unit_s:zero3:{widths[0] ** 2 * 4}"] == pytest.approx((7 - 1) / 1e3 / units)
+    assert figures[f"fsdp_unit_s:zero2:{widths[1] ** 2 * 4}"] == pytest.approx((50 - 10) / 1e3 / units)
+    assert figures[f"fsdp_unit_s:zero3:{widths[1] ** 2 * 4}"] == pytest.approx((70 - 10) / 1e3 / units)

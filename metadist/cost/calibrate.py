@@ -423,7 +423,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, lau
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 29
+CALIBRATION_VERSION = 30
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -461,7 +461,9 @@ worker, and their figures the slowest rank's (the fastest's before: :func:`.cali
 :func:`.calibrate_worker._fsdp_unit_seconds`); 27: FSDP2's units timed over groups of each size a mesh axis of the
 processes can have too (pairs of 4), which price FSDP2 over one axis of a 2-D mesh (``tp-dp``); 29: the all-gather
 timed as the runtime carries it out, an all-to-all on gloo (:func:`metadist.runtime.collectives.start_all_gather`;
-28 was a change tried and withdrawn, whose caches may remain). A cache of an older version is measured again, not
+28 was a change tried and withdrawn, whose caches may remain); 30: FSDP2's large units (32 MiB) timed after two
+untimed rounds and priced at the fastest of four rounds, not the median of three after one step each (a round whose
+processes grew their heaps took page faults: :data:`.calibrate_worker.FSDP_LARGE_ROUNDS`). A cache of an older version is measured again, not
 read."""
 
 

@@ -682,6 +682,23 @@ FSDP_ROWS = 32
 FSDP_REPEATS = 15
 """Timed steps of each variant of the small units' chain (:func:`_fsdp_unit_seconds`)."""
 
+FSDP_LARGE_BYTES = 1 << 22
+"""Units of at least this many bytes are timed as large ones (:data:`FSDP_LARGE_WARMUP_ROUNDS`,
+:data:`FSDP_LARGE_ROUNDS`): their chain takes ~0.4 s a turn on 2 processes, ~1 s on 4."""
+
+FSDP_LARGE_WARMUP_ROUNDS = 2
+"""Untimed rounds of the large units' chains (each variant in turn) before the timed ones (version 30; one step of
+each variant after the other before)."""
+
+FSDP_LARGE_ROUNDS = 4
+"""Timed rounds of the large units' chains, of which the fastest step of each variant is kept (version 30): a step
+whose process grows its heap takes a page fault for every fresh page, which a training step past its first turns does
+not. On 2 processes of this project's machine, 32 MiB units, the first 3 rounds of a fresh process after one step of
+each variant: 8,000-41,000 page faults in 5 of 12 steps of FSDP2, each of them 1.4-2.6x the others (ZeRO-2 370-410 ms a
+chain without faults, 610-750 with; ZeRO-3 490-550 against 685-1,355). Their median priced ZeRO-2's unit above
+ZeRO-3's in 2 of 4 such calibrations (129 and 137 ms against 119 and 113), and a page's gpt-85m ZeRO-2 row at 2x what
+it ran (3,548 ms predicted, 1,763 measured), where ZeRO-3 does what ZeRO-2 does and gathers each unit once more."""
+
 
 def _fsdp_chain(width: int) -> torch.nn.Module:
     """:data:`FSDP_UNITS` units, each a bias-free ``width`` x ``width`` linear layer and a ReLU, as a model's blocks."""
@@ -696,7 +713,8 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
     unit and at a root without parameters, as a model's blocks are) less the same chain unsharded, every rank at once,
     over the units. ``size``: the ranks each chain is sharded over, all of them or groups of ``size`` consecutive
     ranks, every group at once (keys ``fsdp_unit_s:VARIANT:BYTES:SIZE``; version 27), as FSDP2 runs over one axis of
-    a 2-D mesh under tensor parallelism.
+    a 2-D mesh under tensor parallelism. Each size's chains take turns, a step each, ``repeats`` rounds: the median
+    step of each is kept; from :data:`FSDP_LARGE_BYTES` on, the fastest of :data:`FSDP_LARGE_ROUNDS` (version 30).
 
     That is FSDP2 as it runs on this backend inside a step, not its collectives alone: the all-gather's copy-in into a
     fresh flat buffer and copy-out into the unsharded parameters, overlapped with the unit before; the reduce-scatter's
@@ -736,19 +754,25 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
             model(x).sum().backward()
             model.zero_grad(set_to_none=True)
 
-        large = nbytes >= 1 << 22  # the large units' chain takes ~0.4 s a turn on 2 processes, ~1 s on 4
-        for model in runs.values():
-            for _ in range(1 if large else 2):
-                step(model)
+        large = nbytes >= FSDP_LARGE_BYTES
+        if large:  # in rounds, as they are timed: the heap grows as the variants' steps take turns
+            for _ in range(FSDP_LARGE_WARMUP_ROUNDS):
+                for model in runs.values():
+                    step(model)
+        else:
+            for model in runs.values():
+                for _ in range(2):
+                    step(model)
         samples: dict[str, list[float]] = {name: [] for name in runs}
         # interleaved, so that a change of the machine's load hits every variant alike
-        for _ in range(max(3, repeats // 5) if large else repeats):
+        for _ in range(FSDP_LARGE_ROUNDS if large else repeats):
             for name, model in runs.items():
                 dist.barrier()
                 samples[name].append(median_seconds(lambda: step(model), 1))
-        plain = statistics.median(samples["plain"])
+        kept = min if large else statistics.median  # see FSDP_LARGE_ROUNDS
+        plain = kept(samples["plain"])
         for variant in ("zero2", "zero3"):
-            extra = max(statistics.median(samples[variant]) - plain, 0.0) / FSDP_UNITS
+            extra = max(kept(samples[variant]) - plain, 0.0) / FSDP_UNITS
             figures[f"fsdp_unit_s:{variant}:{width * width * 4}{suffix}"] = extra
     return figures
 
