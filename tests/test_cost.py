@@ -324,6 +324,13 @@ def test_a_collective_kind_is_priced_on_the_line_through_its_sizes_from_a_mebiby
     # timed at small sizes only (a report before version 16): the line through its two ends, nothing beyond
     small = fit_link([row for row in rows if row["bytes"] <= 256 * 1024], 2, "pair", reduce_scatter_as_all_reduce=True)
     assert small.kind_rates_beyond == () and small.kind_cost("all_gather")[0] == pytest.approx(1e-4 - 4096 * 3e-4 / (252 * 1024))
+    # a small message timed slower than a larger one below a mebibyte is priced at the larger one's time: a 4 KiB
+    # all-gather at 1 ms where 256 KiB took 0.36 ms
+    slow = [dict(row, seconds=1e-3) if row["op"] == "all_gather" and row["bytes"] == 4096 else row for row in rows]
+    fixed, bandwidth = fit_link(slow, 2, "pair", reduce_scatter_as_all_reduce=True).kind_cost("all_gather")
+    assert fixed == pytest.approx(all_gather_s(256 * 1024) - 4096 / bandwidth)
+    assert bandwidth == pytest.approx((2 * mib - 4096) / (all_gather_s(2 * mib) - all_gather_s(256 * 1024)))
+    assert fit_link(slow, 2, "pair", True).kind_cost("all_reduce") == link.kind_cost("all_reduce")
     assert Link(**json.loads(json.dumps({name: getattr(link, name) for name in link.__dataclass_fields__}))) == link
     with pytest.raises(ClusterError, match="kind rates beyond"):
         replace(link, kind_rates_beyond=(("all_gather", mib, 0.0),))
