@@ -193,6 +193,12 @@ def test_an_op_that_computes_more_than_it_moves_is_priced_at_its_measured_rate_p
     assert compute_seconds(exp, [spec], [spec], replicated, mesh, device) == pytest.approx(4e-6 + roofline)
     assert compute_seconds(neg, [spec], [spec], replicated, mesh, device) == pytest.approx(4e-6 + roofline)  # not measured
     assert device.element_seconds("tanh") == 3e-9 and device.element_seconds("neg") == 0.0
+    # a node in a narrow dtype is priced at that dtype's figure where one was timed (version 30), else float32's
+    narrow = replace(device, op_element_seconds={"tanh": 3e-9, "tanh@bfloat16": 15e-9})
+    half = TensorSpec(spec.shape, "bfloat16")
+    assert compute_seconds(tanh, [half], [half], replicated, mesh, narrow) == pytest.approx(4e-6 + spec.numel * 15e-9)
+    assert compute_seconds(tanh, [spec], [spec], replicated, mesh, narrow) == pytest.approx(4e-6 + spec.numel * 3e-9)
+    assert narrow.element_seconds("tanh", "float16") == 3e-9 and narrow.element_seconds("exp", "bfloat16") == 0.0
     # a captured node's work names its op; the figures survive a cluster JSON and come from the calibration report
     graph, _ = mlp_step(8, 16, 32)
     assert node_work(graph, graph.node("relu_1")).op == "relu" and node_work(graph, graph.node("mm_0")).op == "mm"
@@ -717,9 +723,14 @@ def test_calibrate_measures_gloo_on_two_processes():
     from metadist.cost.compute import RELAYOUT
     import torch
 
-    assert {op for op, _ in device.op_element_seconds} == set(_element_ops(torch.device("cpu"))) | {RELAYOUT}
+    # each in bfloat16 and float16 too (version 30); the relayout in float32 only
+    ops = set(_element_ops(torch.device("cpu")))
+    assert {op for op, _ in device.op_element_seconds} == (
+        ops | {RELAYOUT} | {f"{op}@{dtype}" for op in ops for dtype in ("bfloat16", "float16")})
     assert all(seconds > 0 for _, seconds in device.op_element_seconds)
     assert device.element_seconds("tanh") == pytest.approx(slowdown * report["device"]["op_element_s:tanh"])
+    assert device.element_seconds("tanh", "bfloat16") == pytest.approx(
+        slowdown * report["device"]["op_element_s:tanh@bfloat16"])
 
 
 # ---------------------------------------------------------------- bucketed collectives

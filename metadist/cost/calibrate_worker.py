@@ -161,17 +161,17 @@ ELEMENT_OP_SHAPE = (256, 1024)
 the caches' help (1 MiB an operand) and short enough to time in a few milliseconds."""
 
 
-def _element_ops(device: torch.device) -> dict[str, Any]:
+def _element_ops(device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Ops whose kernels compute more than they move (transcendental functions, softmax, layer norm and their
-    backwards, random draws), by :func:`metadist.cost.compute.op_name`, each a call on :data:`ELEMENT_OP_SHAPE` float32
-    operands. On this project's machine, a 12-layer GPT-2's step timed op by op (``python -m metadist.bench.op_costs
-    examples/gpt_85m.py``) ran its dropout masks (``bernoulli``) at 25x, ``_safe_softmax`` at 11x and layer norm and
-    its backward at 2.5-2.7x the price of their bytes."""
+    backwards, random draws), by :func:`metadist.cost.compute.op_name`, each a call on :data:`ELEMENT_OP_SHAPE`
+    operands of ``dtype``. On this project's machine, a 12-layer GPT-2's step timed op by op (``python -m
+    metadist.bench.op_costs examples/gpt_85m.py``) ran its dropout masks (``bernoulli``) at 25x, ``_safe_softmax`` at
+    11x and layer norm and its backward at 2.5-2.7x the price of their bytes."""
     aten = torch.ops.aten
-    x = torch.randn(*ELEMENT_OP_SHAPE, device=device)
+    x = torch.randn(*ELEMENT_OP_SHAPE, device=device).to(dtype)
     positive, grad = x.abs() + 0.5, torch.randn_like(x)
     soft, log_soft = torch.softmax(x, -1), torch.log_softmax(x, -1)
-    weight, bias = torch.randn(ELEMENT_OP_SHAPE[1], device=device), torch.randn(ELEMENT_OP_SHAPE[1], device=device)
+    weight, bias = (torch.randn(ELEMENT_OP_SHAPE[1], device=device).to(dtype) for _ in range(2))
     _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [ELEMENT_OP_SHAPE[1]], weight, bias, 1e-5)
     return {
         "exp": lambda: aten.exp.default(x), "expm1": lambda: aten.expm1.default(x),
@@ -183,14 +183,15 @@ def _element_ops(device: torch.device) -> dict[str, Any]:
         "silu": lambda: aten.silu.default(x), "silu_backward": lambda: aten.silu_backward.default(grad, x),
         "_softmax": lambda: aten._softmax.default(x, -1, False),
         "_log_softmax": lambda: aten._log_softmax.default(x, -1, False),
-        "_softmax_backward_data": lambda: aten._softmax_backward_data.default(grad, soft, -1, torch.float32),
-        "_log_softmax_backward_data": lambda: aten._log_softmax_backward_data.default(grad, log_soft, -1, torch.float32),
+        "_softmax_backward_data": lambda: aten._softmax_backward_data.default(grad, soft, -1, dtype),
+        "_log_softmax_backward_data": lambda: aten._log_softmax_backward_data.default(grad, log_soft, -1, dtype),
         "_safe_softmax": lambda: aten._safe_softmax.default(x, -1),
         "native_layer_norm": lambda: aten.native_layer_norm.default(x, [ELEMENT_OP_SHAPE[1]], weight, bias, 1e-5),
         "native_layer_norm_backward": lambda: aten.native_layer_norm_backward.default(
             grad, x, [ELEMENT_OP_SHAPE[1]], mean, rstd, weight, bias, [True, True, True]),
-        "bernoulli": lambda: aten.bernoulli.p(x, 0.9), "rand": lambda: aten.rand.default(list(ELEMENT_OP_SHAPE), device=device),
-        "randn": lambda: aten.randn.default(list(ELEMENT_OP_SHAPE), device=device),
+        "bernoulli": lambda: aten.bernoulli.p(x, 0.9),
+        "rand": lambda: aten.rand.default(list(ELEMENT_OP_SHAPE), dtype=dtype, device=device),
+        "randn": lambda: aten.randn.default(list(ELEMENT_OP_SHAPE), dtype=dtype, device=device),
     }
 
 
@@ -200,10 +201,17 @@ a core's own caches, as the gradient layout copies of Mixtral's experts are (4 M
 transposed copy ran at 0.7 ns an element at 1 MiB and 0.9-1.2 at 4 MiB, in float32 and bfloat16 alike."""
 
 
+NARROW_ELEMENT_BUDGET_S = 0.002
+"""Seconds of calls each sample of an op's time fills in a narrow dtype (:func:`_element_seconds`; 4 ms in float32)."""
+
+
 def _element_seconds(device: torch.device) -> dict[str, float]:
-    """``op_element_s:OP``: seconds per output element of each of :func:`_element_ops`, and of a relayout (a transposed
+    """``op_element_s:OP``: seconds per output element of each of :func:`_element_ops` in float32, and in each of
+    :data:`NARROW_DTYPES` (``op_element_s:OP@DTYPE``, version 30), and of a relayout (a transposed
     :data:`RELAYOUT_SHAPE` operand copied into a row-major tensor), less the fixed cost of one call (timed on a single
-    element), which ``op_overhead_s`` prices."""
+    element), which ``op_overhead_s`` prices. A CPU's kernels of some ops run at other rates in a narrow dtype: on this
+    project's machine ``tanh`` (GPT-2's GELU) took 1.48 ns an element in bfloat16 against 0.27 in float32, ``exp``
+    0.36 against 0.20, layer norm 0.35 against 0.88."""
     from .compute import RELAYOUT
 
     one = torch.ones(1, device=device)
@@ -211,6 +219,11 @@ def _element_seconds(device: torch.device) -> dict[str, float]:
     elements = ELEMENT_OP_SHAPE[0] * ELEMENT_OP_SHAPE[1]
     figures = {f"op_element_s:{name}": 1.0 / _net_rate(elements, _per_call_seconds(call, device), floor)
                for name, call in _element_ops(device).items()}
+    for dtype in NARROW_DTYPES:
+        suffix = str(dtype).removeprefix("torch.")
+        figures.update({f"op_element_s:{name}@{suffix}": 1.0 / _net_rate(
+            elements, _per_call_seconds(call, device, NARROW_ELEMENT_BUDGET_S), floor)
+            for name, call in _element_ops(device, dtype).items()})
     transposed = torch.randn(*RELAYOUT_SHAPE, device=device).t()
     relayout = _per_call_seconds(lambda: torch.ops.aten.clone.default(transposed, memory_format=torch.contiguous_format),
                                  device)

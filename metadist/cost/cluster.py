@@ -310,8 +310,14 @@ class Device:
                 return rate
         return self.memory_bandwidth_bytes_per_s
 
-    def element_seconds(self, op: str) -> float:
-        """Measured seconds per output element of ``op`` (an :func:`~.compute.op_name`); 0 when not measured."""
+    def element_seconds(self, op: str, dtype: str = "float32") -> float:
+        """Measured seconds per output element of ``op`` (an :func:`~.compute.op_name`) in ``dtype``: its figure in
+        that dtype (``OP@DTYPE``, timed in the narrow dtypes from calibration version 30), else its float32 figure
+        (``OP``: a calibration before version 30, a dtype not timed); 0 when not measured."""
+        if dtype != "float32":
+            seconds = self._element_seconds.get(f"{op}@{dtype}")
+            if seconds is not None:
+                return seconds
         return self._element_seconds.get(op, 0.0)
 
     def measured_matmul_s(self, key: MatmulKey) -> float | None:
