@@ -210,8 +210,8 @@ def _element_seconds(device: torch.device) -> dict[str, float]:
     :data:`NARROW_DTYPES` (``op_element_s:OP@DTYPE``, version 30), and of a relayout (a transposed
     :data:`RELAYOUT_SHAPE` operand copied into a row-major tensor), less the fixed cost of one call (timed on a single
     element), which ``op_overhead_s`` prices. A CPU's kernels of some ops run at other rates in a narrow dtype: on this
-    project's machine ``tanh`` (GPT-2's GELU) took 1.48 ns an element in bfloat16 against 0.27 in float32, ``exp``
-    0.36 against 0.20, layer norm 0.35 against 0.88."""
+    project's machine ``tanh`` (GPT-2's GELU) took 1.46 ns an element in bfloat16 against 0.27 in float32, ``exp``
+    0.34 against 0.19, layer norm 0.40 against 0.28."""
     from .compute import RELAYOUT
 
     one = torch.ones(1, device=device)
