@@ -174,7 +174,7 @@ def prediction_rows(runs: Sequence[BenchRun]) -> list[list[str]]:
             measured_time, measured_wire = result.median_step_s, result.comm_wire_bytes
             rows.append([
                 run.model, result.method, fmt_ms(predicted["step_s"]), fmt_ms(measured_time),
-                f"{measured_time / predicted['step_s']:.1f}" if predicted["step_s"] else "-",
+                f"{measured_time / predicted['step_s']:.2f}" if predicted["step_s"] else "-",
                 fmt_bytes(predicted.get("comm_bytes")), fmt_bytes(measured_wire),
                 f"{measured_wire / predicted['comm_bytes']:.2f}" if measured_wire is not None and predicted.get("comm_bytes") else "-",
             ])
