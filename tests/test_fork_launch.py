@@ -217,3 +217,21 @@ def test_the_fork_server_module_imports_no_torch():
     code = "import sys, metadist.forking; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+def test_ranks_get_one_thread_each_unless_the_user_chose_a_number(monkeypatch):
+    # as torchrun does; an empty OMP_NUM_THREADS is no choice (torch would run a thread per core in every rank)
+    from metadist.forking import environment, rank_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert rank_environment(2) == {"OMP_NUM_THREADS": "1"} and rank_environment(1) == {"OMP_NUM_THREADS": ""}
+    for blank in ("", "  "):
+        monkeypatch.setenv("OMP_NUM_THREADS", blank)
+        assert rank_environment(4) == {"OMP_NUM_THREADS": "1"}
+        with environment(**rank_environment(4)):
+            assert os.environ["OMP_NUM_THREADS"] == "1"
+        assert os.environ["OMP_NUM_THREADS"] == blank
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert rank_environment(4) == {"OMP_NUM_THREADS": ""}
+    with environment(**rank_environment(4)):
+        assert os.environ["OMP_NUM_THREADS"] == "3"
