@@ -108,10 +108,10 @@ def _kind_lines(measurements: list[Mapping[str, Any]], axis_size: int, wire) -> 
     bend it; where one of them ran faster than the smallest, the smallest is taken at that time (a message of fewer
     bytes does not take longer; the slower time was a slow draw of the scheduler: on 4 processes sharing 2 cores a
     calibration timed a pair's all-gather at 1.46 ms for 4 KiB and 0.65 ms for 256 KiB, and priced a beam plan's 42
-    all-gathers at 1.46 ms each before their waits). Each kind asked for has its own line, its bytes those of the collective the backend carries out
-    (``wire``): a reduce-scatter that gloo runs as an all-reduce sends that all-reduce's bytes, but copies its input
-    and its piece too, and ran 1.2-1.4x the all-reduce's time at 32 MiB on this project's machine (2 and 4
-    processes), so it is priced by its own measurements, not the all-reduce's.
+    all-gathers at 1.46 ms each before their waits). Each kind asked for has its own line, its bytes those of the
+    collective the backend carries out (``wire``): a reduce-scatter that gloo runs as an all-reduce sends that
+    all-reduce's bytes, but copies its input and its piece too, and ran 1.2-1.4x the all-reduce's time at 32 MiB on
+    this project's machine (2 and 4 processes), so it is priced by its own measurements, not the all-reduce's.
     """
     by_kind: dict[str, dict[float, tuple[float, float]]] = {}
     for m in measurements:
@@ -470,8 +470,7 @@ timed as the runtime carries it out, an all-to-all on gloo (:func:`metadist.runt
 untimed rounds and priced at the fastest of four rounds, not the median of three after one step each (a round whose
 processes grew their heaps took page faults: :data:`.calibrate_worker.FSDP_LARGE_ROUNDS`), and the ops that compute
 more than they move timed in bfloat16 and float16 too (``op_element_s:OP@DTYPE``: a bfloat16 ``tanh`` ran 5.5x a
-float32 one). A cache of an older version is measured again, not
-read."""
+float32 one). A cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -201,8 +201,11 @@ a core's own caches, as the gradient layout copies of Mixtral's experts are (4 M
 transposed copy ran at 0.7 ns an element at 1 MiB and 0.9-1.2 at 4 MiB, in float32 and bfloat16 alike."""
 
 
+ELEMENT_BUDGET_S = 0.004
+"""Seconds of calls each sample of an op's time fills in float32 (:func:`_element_seconds`)."""
+
 NARROW_ELEMENT_BUDGET_S = 0.002
-"""Seconds of calls each sample of an op's time fills in a narrow dtype (:func:`_element_seconds`; 4 ms in float32)."""
+"""The same in each of :data:`NARROW_DTYPES`."""
 
 
 def _element_seconds(device: torch.device) -> dict[str, float]:
@@ -217,13 +220,14 @@ def _element_seconds(device: torch.device) -> dict[str, float]:
     one = torch.ones(1, device=device)
     floor = _per_call_seconds(lambda: torch.ops.aten.exp.default(one), device)
     elements = ELEMENT_OP_SHAPE[0] * ELEMENT_OP_SHAPE[1]
-    figures = {f"op_element_s:{name}": 1.0 / _net_rate(elements, _per_call_seconds(call, device), floor)
-               for name, call in _element_ops(device).items()}
-    for dtype in NARROW_DTYPES:
-        suffix = str(dtype).removeprefix("torch.")
-        figures.update({f"op_element_s:{name}@{suffix}": 1.0 / _net_rate(
-            elements, _per_call_seconds(call, device, NARROW_ELEMENT_BUDGET_S), floor)
-            for name, call in _element_ops(device, dtype).items()})
+    figures: dict[str, float] = {}
+    for dtype in (torch.float32, *NARROW_DTYPES):
+        narrow = dtype in NARROW_DTYPES
+        suffix = f"@{str(dtype).removeprefix('torch.')}" if narrow else ""
+        budget_s = NARROW_ELEMENT_BUDGET_S if narrow else ELEMENT_BUDGET_S
+        for name, call in _element_ops(device, dtype).items():
+            seconds = _per_call_seconds(call, device, budget_s)
+            figures[f"op_element_s:{name}{suffix}"] = 1.0 / _net_rate(elements, seconds, floor)
     transposed = torch.randn(*RELAYOUT_SHAPE, device=device).t()
     relayout = _per_call_seconds(lambda: torch.ops.aten.clone.default(transposed, memory_format=torch.contiguous_format),
                                  device)

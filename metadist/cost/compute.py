@@ -17,14 +17,14 @@ Ops whose kernels compute more than they move (``exp``, ``tanh``, ``log``, softm
 ``gelu``, random draws...) run far below the elementwise roofline on a CPU: a float32 ``tanh`` took 3.5-3.6 ns an
 element on this project's machine, where its bytes at the measured bandwidth take 0.2. A calibrated device measures
 such ops' seconds per output element (``Device.op_element_seconds``, per dtype: a bfloat16 ``tanh`` ran 5.5x a
-float32 one), and a node of one is priced at least at its compute dtype's rate on its local output elements. View ops alias their input and cost no work, and an allocation (``empty``...)
-writes none. A copy of a transposed operand into a row-major tensor (a gradient laid out as its weight,
-``.contiguous()`` of a transposed view) reads it across its rows and is priced at its measured seconds per element
-(:func:`relayouts`). A random op costs its whole output on every rank whatever its strategy (every rank draws the
-whole tensor and keeps its slice, so that the shards hold what one device would draw), at its measured seconds per
-element where the device has them (a dropout mask's ``bernoulli`` draws far slower than its bytes move). Every node,
-views included, also pays the device's fixed ``op_overhead_s`` (dispatch: a few microseconds per op on a CPU process;
-0 on the GPU presets).
+float32 one), and a node of one is priced at least at its compute dtype's rate on its local output elements. View
+ops alias their input and cost no work, and an allocation (``empty``...) writes none. A copy of a transposed operand
+into a row-major tensor (a gradient laid out as its weight, ``.contiguous()`` of a transposed view) reads it across
+its rows and is priced at its measured seconds per element (:func:`relayouts`). A random op costs its whole output
+on every rank whatever its strategy (every rank draws the whole tensor and keeps its slice, so that the shards hold
+what one device would draw), at its measured seconds per element where the device has them (a dropout mask's
+``bernoulli`` draws far slower than its bytes move). Every node, views included, also pays the device's fixed
+``op_overhead_s`` (dispatch: a few microseconds per op on a CPU process; 0 on the GPU presets).
 
 Uneven splits (``torch.chunk`` pieces) are priced on the rank with the largest pieces, which
 the others wait for: a factor of size ``n`` cut into ``m`` pieces does ``ceil(n / m) / n`` of the
