@@ -240,6 +240,7 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
     refused = _precision_refused(precision, layouts)
     if refused:
         raise ValueError(refused)
+    from ..config import settings_from_env
     from ..frontends.torch.discovery import TorchExecutor
     from ..frontends.torch.repeat import capture_repeated_step
     from ..ir import Mesh
@@ -252,6 +253,10 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
     from .baselines import disable_dropout
 
     torch.set_num_threads(1)
+    if settings_from_env().keeps_host_memory:  # as a compiled step on CPU runs: freed memory reused, not unmapped
+        from ..runtime.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()  # before the forks: every rank's process inherits it
     workload = builtin_workload(model)
     disable_dropout(workload.model)  # as the bench runs every method
     torch_step = capture_repeated_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),

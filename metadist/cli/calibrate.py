@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cost.calibrate import FULL_SIZES, calibrate
+    from ..cost.calibrate import FULL_SIZES, busy_note, calibrate
     from ..ir import Mesh
     from ..solver import errors  # noqa: F401  (its USER_ERRORS, ClusterError included, are the CLI's user errors)
 
@@ -46,7 +46,14 @@ def run(args: argparse.Namespace) -> int:
             if launches > 1:
                 status.update(f"calibrating {args.nproc} processes: launch {index} of {launches} (each figure the median over them)")
 
-        cluster, report = calibrate(args.nproc, mesh, args.sizes or FULL_SIZES, launches=args.launches, on_launch=on_launch)
+        def on_busy(text: str) -> None:
+            console.print(text, markup=False)
+
+        cluster, report = calibrate(args.nproc, mesh, args.sizes or FULL_SIZES, launches=args.launches, on_launch=on_launch,
+                                    on_busy=on_busy)
+    note = busy_note(report, args.nproc)
+    if note is not None:
+        console.print(note, markup=False)
     cached = None
     if mesh.ndim == 1 and report["backend"] == "gloo":
         from ..config import settings_from_env

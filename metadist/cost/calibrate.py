@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -368,14 +369,33 @@ def merge_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                               for (axis, size, op, nbytes), values in timings.items()]
     merged["unsupported"] = list(unsupported.values())
     merged["launches"] = len(reports)
+    merged["other_load_cores_by_launch"] = [report.get("other_load_cores") for report in reports]
+    merged["other_load_cores"] = max((x for x in merged["other_load_cores_by_launch"] if x is not None), default=None)
     return merged
 
 
+OTHER_LOAD_LIMIT_CORES = 0.25
+"""Cores' worth of other work (averaged over a launch) past which a launch's figures are not trusted: the work of
+other processes, and time a hypervisor took from this machine's cores (steal), beyond the cores the launch leaves
+free. One process busy beside a one-process calibration on this project's 2-core machine made every float32 matmul
+of the curve take 7.6 ms whatever its size (its two OpenMP threads waited on a descheduled one), and the cache kept
+the figures: ``metadist plan`` then priced each small matmul 2,000x its time."""
+
+OTHER_LOAD_RETRIES = 2
+"""How many times a launch whose machine was busy (:data:`OTHER_LOAD_LIMIT_CORES`) is run again; the least busy
+launch is kept and, if that one was busy too, the report says so (:func:`busy_note`)."""
+
+
 def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0, launches: int | None = None,
-                on_launch: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                on_launch: Callable[[int, int], None] | None = None,
+                on_busy: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Launch ``nproc`` local workers with torchrun ``launches`` times (:func:`default_launches` by default) and return
     rank 0's report, merged over the launches by :func:`merge_reports` where there are several. ``on_launch(index,
-    launches)`` is told before each launch (index from 1)."""
+    launches)`` is told before each launch (index from 1).
+
+    Each launch records how much other work ran on the machine meanwhile (``other_load_cores``,
+    :func:`contended_cores`); a launch that other work contended is run again, up to :data:`OTHER_LOAD_RETRIES` times,
+    and the least contended one kept; ``on_busy(text)`` is told each time (else the logger warns)."""
     if mesh.size != nproc:
         raise ClusterError(f"mesh {mesh} has {mesh.size} devices but --nproc is {nproc}; make them agree")
     launches = default_launches(nproc) if launches is None else launches
@@ -386,24 +406,94 @@ def run_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float = 600.0, la
         logger.info("calibration launch %d of %d", index, launches)
         if on_launch is not None:
             on_launch(index, launches)
-        reports.append(_launch_workers(nproc, mesh, sizes, timeout_s))
+        tries = [_launch_workers(nproc, mesh, sizes, timeout_s)]
+        while contended_cores(tries[-1], nproc) > OTHER_LOAD_LIMIT_CORES and len(tries) <= OTHER_LOAD_RETRIES:
+            text = (f"other work used {tries[-1]['other_load_cores']:.2f} cores of this machine during the calibration; "
+                    f"measuring again ({len(tries)} of {OTHER_LOAD_RETRIES})")
+            if on_busy is not None:
+                logger.info(text)
+                on_busy(text)
+            else:
+                logger.warning(text)
+            tries.append(_launch_workers(nproc, mesh, sizes, timeout_s))
+        reports.append(min(tries, key=lambda report: contended_cores(report, nproc)))
     return reports[0] if launches == 1 else merge_reports(reports)
 
 
 def _launch_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float) -> dict[str, Any]:
-    """One torchrun launch of the calibration's workers: rank 0's report."""
+    """One torchrun launch of the calibration's workers: rank 0's report, with ``other_load_cores``: the cores' worth
+    of other work the machine ran meanwhile (:func:`_busy_seconds`; None where it cannot be read)."""
     with tempfile.TemporaryDirectory(prefix="metadist-calibrate-") as folder:
         out = Path(folder) / "report.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    "-m", "metadist.cost.calibrate_worker", "--mesh", "x".join(map(str, mesh.shape)), "--sizes", sizes, "--out", str(out)]
         logger.info("running %s", " ".join(command))
+        busy, own, started = _busy_seconds(), _own_cpu_seconds(), time.monotonic()
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=_fresh_launch_env())
+        wall = time.monotonic() - started
+        busy_after, own_after = _busy_seconds(), _own_cpu_seconds()
         if done.returncode != 0 or not out.exists():
             lines = (done.stderr or done.stdout).splitlines()
             errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line][-3:]  # the ranks' own errors
             tail = "\n".join(errors + lines[-15:])
             raise ClusterError(f"the calibration workers failed (exit status {done.returncode}):\n{tail}")
-        return json.loads(out.read_text())
+        report = json.loads(out.read_text())
+        other = None
+        if busy is not None and busy_after is not None and wall > 0:
+            other = max(0.0, (busy_after - busy) - (own_after - own)) / wall
+        report["other_load_cores"] = other
+        return report
+
+
+def _busy_seconds() -> float | None:
+    """Seconds the cores this process may run on have been busy since boot (Linux's ``/proc/stat``: user, system,
+    interrupts, and steal, the time a hypervisor gave them to another machine); None where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    cores = {f"cpu{core}" for core in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else None
+    total = 0
+    for line in lines:
+        fields = line.split()
+        if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu":
+            continue
+        if cores is not None and fields[0] not in cores:
+            continue
+        values = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        total += sum(values) - values[3] - values[4]
+    return total / ticks
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (the launch's workers, once it returns)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def contended_cores(report: Mapping[str, Any], nproc: int) -> float:
+    """The cores' worth of other work in ``report``'s launch beyond the cores it left free: its
+    ``other_load_cores`` less what its ``nproc`` processes did not claim (each one OpenMP thread, or as many as
+    ``OMP_NUM_THREADS`` says; one process takes every core). 0.0 where the launch did not record it."""
+    from ..config import usable_cores
+
+    other = report.get("other_load_cores")
+    if other is None:
+        return 0.0
+    cores = usable_cores()
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    threads = int(chosen) if chosen.isdigit() and int(chosen) > 0 else (1 if nproc > 1 else cores)
+    return max(0.0, other - max(0, cores - nproc * threads))
+
+
+def busy_note(report: Mapping[str, Any], nproc: int) -> str | None:
+    """One line for the user where other work contended the calibration kept (:func:`run_workers`), else None."""
+    contended = contended_cores(report, nproc)  # a merged report's: its busiest launch's
+    if contended <= OTHER_LOAD_LIMIT_CORES:
+        return None
+    return (f"other work used {contended:.2f} cores of this machine beyond what the calibration left free, in every try; "
+            f"its figures may be slow. Run `metadist calibrate --nproc {nproc}` when the machine is idle")
 
 
 def _fresh_launch_env() -> dict[str, str]:
@@ -418,17 +508,18 @@ def _fresh_launch_env() -> dict[str, str]:
 
 
 def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, launches: int | None = None,
-              on_launch: Callable[[int, int], None] | None = None) -> tuple[Cluster, dict[str, Any]]:
+              on_launch: Callable[[int, int], None] | None = None,
+              on_busy: Callable[[str], None] | None = None) -> tuple[Cluster, dict[str, Any]]:
     """Measure this machine: the fitted cluster and the raw report (merged over ``launches``, :func:`run_workers`)."""
     mesh = mesh or Mesh((nproc,))
-    report = run_workers(nproc, mesh, sizes, launches=launches, on_launch=on_launch)
+    report = run_workers(nproc, mesh, sizes, launches=launches, on_launch=on_launch, on_busy=on_busy)
     return cluster_from_report(report, mesh), report
 
 
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 30
+CALIBRATION_VERSION = 31
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -470,7 +561,10 @@ timed as the runtime carries it out, an all-to-all on gloo (:func:`metadist.runt
 untimed rounds and priced at the fastest of four rounds, not the median of three after one step each (a round whose
 processes grew their heaps took page faults: :data:`.calibrate_worker.FSDP_LARGE_ROUNDS`), and the ops that compute
 more than they move timed in bfloat16 and float16 too (``op_element_s:OP@DTYPE``: a bfloat16 ``tanh`` ran 5.5x a
-float32 one). A cache of an older version is measured again, not read."""
+float32 one); 31: each launch records the other work its machine ran meanwhile (``other_load_cores``) and one
+that other work contended is measured again (:data:`OTHER_LOAD_LIMIT_CORES`), and a figure's samples repeat the op
+as many times as the fastest of its first calls allows (:data:`.calibrate_worker.SETTLE_CALLS`): caches of older
+versions may hold figures taken on a busy machine. A cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:
@@ -553,8 +647,11 @@ def machine_cluster(mesh: Mesh, cache_dir: Path, *, sizes: str = QUICK_SIZES, an
             over = f", the median of {launches} launches (the processes outnumber the cores)" if launches > 1 else ""
             announce(f"calibrating this machine for {nproc} process(es): compute and gloo collectives, under a minute a launch on a few "
                      f"processes{over}, once; cached in {path} (`metadist calibrate --nproc {nproc}` measures again)")
-        report = run_workers(nproc, Mesh((nproc,)), sizes, launches=launches)
+        report = run_workers(nproc, Mesh((nproc,)), sizes, launches=launches, on_busy=announce)
         save_calibration(path, report, nproc)
+        note = busy_note(report, nproc)
+        if note is not None and announce is not None:
+            announce(note)
     return cluster_over_mesh(report, mesh)
 
 
