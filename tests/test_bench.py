@@ -360,6 +360,19 @@ def test_op_costs_times_every_node_and_the_layout_copies_against_the_cost_models
         calls = _run_in_order(graph, env, step.contiguous_values | {transposed})
     copies = [name for name, node, _ in calls if node is None]
     assert f"{transposed}.contiguous()" in copies
+    # the in-step runs free each value after its last use, as the runtime does: only the inputs and outputs are left
+    freed = {gi.value.name: tensor for gi, tensor in zip(graph.inputs, step.gather_inputs(workload.model, optimizer,
+                                                                                          workload.batch))}
+    freed.update(step.constants)
+    given = set(freed)
+    with torch.no_grad():
+        freed_calls = _run_in_order(graph, freed, step.contiguous_values | {transposed}, free=True)
+    assert [(name, node) for name, node, _ in freed_calls] == [(name, node) for name, node, _ in calls]
+    outputs = {value.name for value in graph.outputs}
+    read = {name for node in graph.nodes for name in node.input_names}
+    unread = {value.name for node in graph.nodes for value in node.outputs if value is not None} - read - outputs
+    assert outputs <= set(freed) and set(freed) - outputs <= given | unread  # a value no node reads is never freed
+    assert len(env) > len(freed) + len(graph.nodes) // 2
     assert all(name.removesuffix(".contiguous()") in step.contiguous_values | {transposed} for name in copies)
     assert all(row["measured_s"] > 0 and row["in_step_s"] > 0 for row in data["nodes"])
     assert all(row["predicted_s"] > 0 for row in nodes)
@@ -370,6 +383,19 @@ def test_op_costs_times_every_node_and_the_layout_copies_against_the_cost_models
     assert main(["mlp", "--repeats", "1", "--cluster", "cpu-gloo", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert out.lstrip().startswith("mlp: ") and "nodes, each op timed alone and in the step's order" in out
+    import os
+
+    threads = torch.get_num_threads()
+    try:  # as one rank of 2: priced replicated on a 2-device mesh (each rank computes all of its batch), one thread
+        two = measure("mlp", repeats=1, cluster_name="cpu-gloo", nproc=2)
+        assert torch.get_num_threads() == 1 or os.environ.get("OMP_NUM_THREADS", "").strip()
+    finally:
+        torch.set_num_threads(threads)
+    one = measure("mlp", repeats=1, cluster_name="cpu-gloo")
+    assert two["nproc"] == 2 and one["nproc"] == 1
+    assert [row["predicted_s"] for row in two["nodes"]] == pytest.approx([row["predicted_s"] for row in one["nodes"]])
+    with pytest.raises(SystemExit):
+        main(["mlp", "--repeats", "1", "--cluster", "cpu-gloo", "--nproc", "0"])
 
 
 def test_never_lose_leads_with_the_static_experts_extra_rows_where_the_model_routes_tokens():

@@ -1,9 +1,13 @@
 """Each op of a captured step: the cost model's compute seconds against the op timed on this machine (issue #16, part 2).
 
     python -m metadist.bench.op_costs MODEL [MODEL ...] [--batch-size B --seq-len S] [--repeats 7] [--top 12]
-        [--cluster NAME] [--precision bf16|fp16] [--out F.json]
+        [--nproc N] [--cluster NAME] [--precision bf16|fp16] [--out F.json]
 
-One process with one intra-op thread (as each rank of a local run has). The step of a built-in (real weights) or a
+One process with the intra-op threads a one-process run has (``OMP_NUM_THREADS``, else a thread per core), as this
+machine's one-process calibration measured its rates; with ``--nproc N``, one thread, as each rank of an N-process
+local run has, priced on this machine's N-process calibration (give the batch a rank computes). Timed with one
+thread and priced on the one-process calibration, as this tool did before, GPT-2 small's large matmuls ran at half
+their price: an error of the tool's, not of the price. The step of a built-in (real weights) or a
 workload file is captured, its graph run once node by node to hold every value, then each node is timed twice: alone,
 its operator called ``--repeats`` times on those values, the median kept (the call only, without the interpreter's
 own work; the caches warm, as the calibration times ops), and in the step, the whole graph run ``--repeats`` times in
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,7 +42,7 @@ CONTIGUOUS_COPY = "(contiguous copy)"
 
 
 def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int | None = None,
-            seq_len: int | None = None, precision: str | None = None) -> dict[str, Any]:
+            seq_len: int | None = None, precision: str | None = None, nproc: int = 1) -> dict[str, Any]:
     """Per node of ``model``'s captured step: op, predicted and measured seconds.
 
     ``model``: a built-in (built on the CPU with real weights, at ``batch_size`` and ``seq_len`` when given) or a
@@ -45,7 +50,9 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
     ``measured_s``, its op called ``repeats`` times in a row on the same values (the caches warm, as the calibration
     times ops), and ``in_step_s``, the median over ``repeats`` runs of the whole graph in order of the node's one
     call there (its operands as a step leaves them in the caches). ``precision``: a mixed precision policy's name
-    (``bf16``, ``fp16``) the step is captured under; None: as written."""
+    (``bf16``, ``fp16``) the step is captured under; None: as written. ``nproc`` above 1: one thread, and the nodes
+    priced replicated on a mesh of ``nproc`` (each rank computing all of this batch) on that many processes'
+    calibration."""
     import torch
 
     from ..cost.calibrate import machine_cluster
@@ -60,12 +67,13 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
     from ..workloads import builtin_workload, load_workload
     from ..workloads.builtin import BUILTINS
 
-    torch.set_num_threads(1)
     if settings_from_env().keeps_host_memory:  # as the compiled step runs on CPU: freed memory reused, not unmapped
         from ..runtime.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()
-    mesh = Mesh((1,))
+    if nproc > 1 and not os.environ.get("OMP_NUM_THREADS", "").strip():
+        torch.set_num_threads(1)  # as torchrun gives each of several local ranks
+    mesh = Mesh((nproc,))
     cluster = (machine_cluster(mesh, settings_from_env().cache_dir, announce=lambda text: print(text, file=sys.stderr))
                if cluster_name is None else resolve_cluster(cluster_name, mesh))
     if model in BUILTINS:
@@ -93,10 +101,13 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
                      graph, node.name, replicated_strategy(len(node.input_names),
                                                            [value is not None for value in node.outputs], mesh), cluster)}
                 for name, node, _ in first]
+        held = env
         for _ in range(repeats):  # the graph in order, each call timed once: the caches as a step leaves them
             env = dict(inputs)
-            for row, (_, _, seconds) in zip(rows, _run_in_order(graph, env, step.contiguous_values), strict=True):
+            for row, (_, _, seconds) in zip(rows, _run_in_order(graph, env, step.contiguous_values, free=True),
+                                            strict=True):
                 row["in_step"].append(seconds)
+        env = held
         position = iter(rows)  # then each call alone, repeated on the same values (the heap grown by the runs above)
         for node in graph.nodes:
             op, args, kwargs = bound_call(node, env)
@@ -106,17 +117,26 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
                     next(position)["measured_s"] = median_seconds(tensor.contiguous, repeats)
     for row in rows:
         row["in_step_s"] = statistics.median(row.pop("in_step"))
-    return {"model": model, "cluster": cluster.name, "repeats": repeats, "precision": precision, "nodes": rows}
+    return {"model": model, "cluster": cluster.name, "repeats": repeats, "precision": precision, "nproc": nproc,
+            "nodes": rows}
 
 
-def _run_in_order(graph, env: dict[str, Any], contiguous_values) -> list[tuple[str, Any, float]]:
+def _run_in_order(graph, env: dict[str, Any], contiguous_values, free: bool = False) -> list[tuple[str, Any, float]]:
     """Run ``graph``'s nodes in order on ``env`` (filled in place), each value the runtime makes contiguous after its
     op (``TorchStep.contiguous_values``) made so, as the runtime lays it out; (name, node, seconds) of each call, a
-    copy's node None (op ``(contiguous copy)``: a copy the cost model does not price)."""
+    copy's node None (op ``(contiguous copy)``: a copy the cost model does not price). ``free``: each value dropped
+    from ``env`` after its last use, as the runtime frees it (the graph's outputs kept); else ``env`` holds every
+    value. Held, GPT-2 small's step (one rank's batch of 2 by 128) ran 2.9x the sum of its ops timed alone: each op
+    wrote into memory no op of the step had freed."""
     from ..frontends.torch.execute import bound_call, node_results
 
+    last_use: dict[str, int] = {}
+    for position, node in enumerate(graph.nodes):
+        for name in node.input_names:
+            last_use[name] = position
+    keep = {graph_output.name for graph_output in graph.outputs}
     calls = []
-    for node in graph.nodes:
+    for position, node in enumerate(graph.nodes):
         op, args, kwargs = bound_call(node, env)
         started = time.perf_counter()
         result = op(*args, **kwargs)
@@ -129,6 +149,10 @@ def _run_in_order(graph, env: dict[str, Any], contiguous_values) -> list[tuple[s
                 started = time.perf_counter()
                 env[value.name] = tensor.contiguous()
                 calls.append((f"{value.name}.contiguous()", None, time.perf_counter() - started))
+        if free:
+            for name in set(node.input_names):
+                if last_use.get(name) == position and name not in keep:
+                    env.pop(name, None)
     return calls
 
 
@@ -152,6 +176,7 @@ def print_result(console: Console, data: dict, top: int) -> None:
     rows = data["nodes"]
     totals = {key: sum(row[key] for row in rows) for key in ("predicted_s", "measured_s", "in_step_s")}
     policy = f" under {data['precision']}" if data.get("precision") else ""
+    policy += f", as one rank of {data['nproc']}" if data.get("nproc", 1) > 1 else ""
     table = Table(title=f"{data['model']}{policy}: {len(rows)} nodes, each op timed alone and in the step's order (median of "
                         f"{data['repeats']}), cost model {data['cluster']}")
     for column in ("op", "nodes", "predicted ms", "alone ms", "alone/predicted", "in step ms", "in step/predicted",
@@ -186,14 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default=None, help="a preset or cluster JSON (default: this machine, calibrated)")
     parser.add_argument("--precision", choices=("bf16", "fp16"), default=None,
                         help="capture the step under this mixed precision policy (default: as written)")
+    parser.add_argument("--nproc", type=int, default=1, help="time and price as one rank of this many local processes "
+                        "(one thread, this machine's calibration for that many; default 1: one process on every core)")
     parser.add_argument("--out", type=Path, default=None, help="also write every node's figures as JSON")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
     console = Console()
     results = []
     for model in args.models:
-        data = measure(model, args.repeats, args.cluster, args.batch_size, args.seq_len, args.precision)
+        data = measure(model, args.repeats, args.cluster, args.batch_size, args.seq_len, args.precision, args.nproc)
         print_result(console, data, args.top)
         results.append(data)
     if args.out is not None:

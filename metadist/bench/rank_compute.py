@@ -1,7 +1,7 @@
 """Each rank's compute on processes that share cores, against the cost model's price of it (issue #16, part 2).
 
     python -m metadist.bench.rank_compute MODEL [MODEL ...] [--mesh 2x2] [--layouts plan,dp,eager] [--window-s 3]
-        [--precision bf16|fp16] [--cluster NAME] [--out F.json]
+        [--batch-size B --seq-len S] [--precision bf16|fp16] [--cluster NAME] [--out F.json]
 
 For a built-in on N local processes (the product of ``--mesh``), three layouts of its step: MetaDist's plan (planned
 as ``make bench`` plans it, on this machine's calibration for N processes), the solver's data-parallel layout, and
@@ -10,7 +10,9 @@ all-reduces (priced as the cost model prices DDP's compute). Each rank's lowered
 with its collectives replaced by stand-ins: each call's output has its shape and values made from the rank's own
 input, and nothing moves. Timed, with one intra-op thread as each rank of a local run has (median step over
 ``--window-s`` seconds): the first rank alone, then every rank at once, each in a forked process. Priced: the nodes' compute on one process's calibration (what the program costs alone) and on the
-N-process calibration (what the planner prices). Communication is left out of both sides, so the rows tell whether a
+N-process calibration (what the planner prices). The one-process calibration times its process on every core, a rank
+alone runs one thread: where ops use several threads (GPT-2 small's matmuls) ``1p`` prices a rank at half its time,
+and only the N-process columns compare. Communication is left out of both sides, so the rows tell whether a
 row of ``make bench`` on N processes sharing cores is mispriced in its compute or in its calls.
 
 ``--precision`` captures the step under a mixed precision policy (as ``metadist plan --precision``) for the plan and
@@ -234,7 +236,8 @@ def _precision_refused(precision: str | None, layouts: tuple[str, ...]) -> str |
 
 
 def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], window_s: float,
-            cluster_name: str | None = None, precision: str | None = None) -> dict[str, Any]:
+            cluster_name: str | None = None, precision: str | None = None, batch_size: int | None = None,
+            seq_len: int | None = None) -> dict[str, Any]:
     """The rows of one model: per layout, its compute priced alone and shared, and timed alone and at once;
     ``precision``: a mixed precision policy's name for the plan and dp layouts (not for ``eager``)."""
     refused = _precision_refused(precision, layouts)
@@ -257,7 +260,8 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
         from ..runtime.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()  # before the forks: every rank's process inherits it
-    workload = builtin_workload(model)
+    # real weights (the eager layout runs the model itself), at the bench entry's batch where given
+    workload = builtin_workload(model, device="cpu", batch_size=batch_size, seq_len=seq_len)
     disable_dropout(workload.model)  # as the bench runs every method
     torch_step = capture_repeated_step(workload.train_step(), workload.model, workload.optimizer(workload.model.parameters()),
                                        workload.batch, name=model, precision=precision)
@@ -326,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="2x2", help="mesh of local processes, e.g. 2x2 or 4 (default 2x2)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--window-s", type=float, default=3.0, help="seconds each timing runs steps for (default 3)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="the built-ins' batch size (their default if not given; the bench's gpt2-small: 4)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="the built-ins' sequence length (their default if not given; the bench's gpt2-small: 128)")
     parser.add_argument("--precision", choices=("bf16", "fp16"), default=None,
                         help="capture the step under this mixed precision policy (plan and dp layouts only)")
     parser.add_argument("--cluster", default=None, help="cost model cluster: preset or calibrated JSON file (default: "
@@ -351,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for model in args.models:
         started = time.perf_counter()
-        results.append(measure(model, mesh, layouts, args.window_s, args.cluster, args.precision))
+        results.append(measure(model, mesh, layouts, args.window_s, args.cluster, args.precision, args.batch_size,
+                               args.seq_len))
         console.print(f"{model}: {time.perf_counter() - started:.0f} s")
     console.print(table(results, math.prod(mesh)))
     if args.out is not None:
