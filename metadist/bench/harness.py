@@ -422,11 +422,10 @@ def same_host_heap(ctx: RankContext) -> None:
     unless ``METADIST_HOST_HEAP=system``: a compiled step sets this for its process when it is built, so without it here
     the methods measured before MetaDist's build (those timed alone) would run with other allocator settings than
     those measured after it."""
-    from ..config import settings_from_env
-    from ..runtime.host_memory import keep_freed_host_memory
+    from ..runtime.host_memory import keep_freed_host_memory_as_set
 
-    if ctx.device.type == "cpu" and settings_from_env().keeps_host_memory:
-        keep_freed_host_memory()
+    if ctx.device.type == "cpu":
+        keep_freed_host_memory_as_set()
 
 
 def versions() -> dict[str, str]:

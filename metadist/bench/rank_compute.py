@@ -243,10 +243,10 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
     refused = _precision_refused(precision, layouts)
     if refused:
         raise ValueError(refused)
-    from ..config import settings_from_env
     from ..frontends.torch.discovery import TorchExecutor
     from ..frontends.torch.repeat import capture_repeated_step
     from ..ir import Mesh
+    from ..runtime.host_memory import keep_freed_host_memory_as_set
     from ..shardcombine.api import graph_rules
     from ..shardcombine.database import RuleDatabase
     from ..solver import baseline_plan, plan_graph
@@ -256,10 +256,8 @@ def measure(model: str, mesh_shape: tuple[int, ...], layouts: tuple[str, ...], w
     from .baselines import disable_dropout
 
     torch.set_num_threads(1)
-    if settings_from_env().keeps_host_memory:  # as a compiled step on CPU runs: freed memory reused, not unmapped
-        from ..runtime.host_memory import keep_freed_host_memory
-
-        keep_freed_host_memory()  # before the forks: every rank's process inherits it
+    # as a compiled step on CPU runs (freed memory reused, not unmapped), before the forks: every rank inherits it
+    keep_freed_host_memory_as_set()
     # real weights (the eager layout runs the model itself), at the bench entry's batch where given
     workload = builtin_workload(model, device="cpu", batch_size=batch_size, seq_len=seq_len)
     disable_dropout(workload.model)  # as the bench runs every method

@@ -884,11 +884,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available()
     if not use_cuda:  # the host heap the steps it prices run with: fresh pages for every large buffer otherwise
-        from ..config import settings_from_env
-        from ..runtime.host_memory import keep_freed_host_memory
+        from ..runtime.host_memory import keep_freed_host_memory_as_set
 
-        if settings_from_env().keeps_host_memory:
-            keep_freed_host_memory()
+        keep_freed_host_memory_as_set()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     shape = [int(part) for part in args.mesh.split("x")]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-__all__ = ["keep_freed_host_memory", "keeps_freed_host_memory"]
+__all__ = ["keep_freed_host_memory", "keep_freed_host_memory_as_set", "keeps_freed_host_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,14 @@ def keep_freed_host_memory() -> bool:
     if _applied is None:
         _applied = _apply()
     return _applied
+
+
+def keep_freed_host_memory_as_set() -> bool:
+    """:func:`keep_freed_host_memory`, unless the settings leave the C library's allocator as it is
+    (``METADIST_HOST_HEAP=system``, :attr:`metadist.config.Settings.host_heap`): whether the settings are in force."""
+    from ..config import settings_from_env
+
+    return settings_from_env().keeps_host_memory and keep_freed_host_memory()
 
 
 def keeps_freed_host_memory() -> bool:
