@@ -16,7 +16,8 @@ import contextlib
 import os
 from typing import Iterator
 
-__all__ = ["FORK_PRELOAD", "environment", "fork_server_exists", "rank_environment", "start_fork_server"]
+__all__ = ["FORK_PRELOAD", "chosen_threads", "environment", "fork_server_exists", "rank_environment",
+           "start_fork_server"]
 
 FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "metadist.runtime.build",
                 "metadist.runtime.step", "metadist.runtime.check", "metadist.solver", "metadist.ir.plan",
@@ -32,13 +33,17 @@ def fork_server_exists() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
+def chosen_threads() -> str:
+    """The ``OMP_NUM_THREADS`` the user chose, stripped: '' where it is unset, empty or blank (none chosen)."""
+    return os.environ.get("OMP_NUM_THREADS", "").strip()
+
+
 def rank_environment(nproc: int) -> dict[str, str]:
     """The variables a launch of ``nproc`` ranks sets for them (an empty value leaves a variable as it is): as
     torchrun does, one OpenMP thread per rank unless the user chose a number. ``OMP_NUM_THREADS`` set to an empty or
     blank string chooses none: torchrun leaves it as it is, and torch then runs as many threads as the host has cores
     in every rank (the issue's 12-layer GPT on 2 processes of a 2-core machine: each step 4.5-6.3 s against 2.3-2.9)."""
-    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return {"OMP_NUM_THREADS": "1" if nproc > 1 and not chosen else ""}
+    return {"OMP_NUM_THREADS": "1" if nproc > 1 and not chosen_threads() else ""}
 
 
 @contextlib.contextmanager

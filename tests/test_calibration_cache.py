@@ -282,3 +282,23 @@ def test_the_busy_time_counts_other_processes_and_not_the_launchs_own():
     finally:
         other.wait()
     assert (busy_after - busy) - (own_after - own) >= 0.3
+
+
+def test_a_calibration_launch_gives_its_ranks_one_thread_as_metadist_run_does(monkeypatch):
+    """The calibration's workers run with the threads ``metadist run`` gives its ranks (forking.rank_environment):
+    one each where ``OMP_NUM_THREADS`` is unset, empty or blank (torchrun leaves an empty one as it is, and torch then
+    runs a thread per core in every rank), the user's number where one is set; an outer launch's variables dropped."""
+    from metadist.cost.calibrate import _fresh_launch_env
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    for value in (None, "", "  "):
+        if value is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", value)
+        env = _fresh_launch_env(4)
+        assert env["OMP_NUM_THREADS"] == "1" and "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env
+        assert _fresh_launch_env(1).get("OMP_NUM_THREADS") == value  # one process: every core, as torchrun leaves it
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _fresh_launch_env(4)["OMP_NUM_THREADS"] == "3"

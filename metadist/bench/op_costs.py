@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -60,18 +59,17 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
     from ..cost.cluster import resolve_cluster
     from ..config import settings_from_env
     from ..frontends.torch import capture_step
+    from ..forking import chosen_threads
     from ..frontends.torch.execute import bound_call, node_results
     from ..ir import Mesh
+    from ..runtime.host_memory import keep_freed_host_memory_as_set
     from ..solver.estimate import node_compute_s
     from ..solver.strategies import replicated_strategy
     from ..workloads import builtin_workload, load_workload
     from ..workloads.builtin import BUILTINS
 
-    if settings_from_env().keeps_host_memory:  # as the compiled step runs on CPU: freed memory reused, not unmapped
-        from ..runtime.host_memory import keep_freed_host_memory
-
-        keep_freed_host_memory()
-    if nproc > 1 and not os.environ.get("OMP_NUM_THREADS", "").strip():
+    keep_freed_host_memory_as_set()  # as the compiled step runs on CPU: freed memory reused, not unmapped
+    if nproc > 1 and not chosen_threads():
         torch.set_num_threads(1)  # as torchrun gives each of several local ranks
     mesh = Mesh((nproc,))
     cluster = (machine_cluster(mesh, settings_from_env().cache_dir, announce=lambda text: print(text, file=sys.stderr))
@@ -128,15 +126,10 @@ def _run_in_order(graph, env: dict[str, Any], contiguous_values, free: bool = Fa
     from ``env`` after its last use, as the runtime frees it (the graph's outputs kept); else ``env`` holds every
     value. Held, GPT-2 small's step (one rank's batch of 2 by 128) ran 2.9x the sum of its ops timed alone: each op
     wrote into memory no op of the step had freed."""
-    from ..frontends.torch.execute import bound_call, node_results
+    from ..frontends.torch.execute import bound_call, freed_after, node_results
 
-    last_use: dict[str, int] = {}
-    for position, node in enumerate(graph.nodes):
-        for name in node.input_names:
-            last_use[name] = position
-    keep = {graph_output.name for graph_output in graph.outputs}
     calls = []
-    for position, node in enumerate(graph.nodes):
+    for node, freed in zip(graph.nodes, freed_after(graph) if free else [()] * len(graph.nodes)):
         op, args, kwargs = bound_call(node, env)
         started = time.perf_counter()
         result = op(*args, **kwargs)
@@ -149,10 +142,8 @@ def _run_in_order(graph, env: dict[str, Any], contiguous_values, free: bool = Fa
                 started = time.perf_counter()
                 env[value.name] = tensor.contiguous()
                 calls.append((f"{value.name}.contiguous()", None, time.perf_counter() - started))
-        if free:
-            for name in set(node.input_names):
-                if last_use.get(name) == position and name not in keep:
-                    env.pop(name, None)
+        for name in freed:
+            env.pop(name, None)
     return calls
 
 

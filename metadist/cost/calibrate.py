@@ -429,7 +429,7 @@ def _launch_workers(nproc: int, mesh: Mesh, sizes: str, timeout_s: float) -> dic
                    "-m", "metadist.cost.calibrate_worker", "--mesh", "x".join(map(str, mesh.shape)), "--sizes", sizes, "--out", str(out)]
         logger.info("running %s", " ".join(command))
         busy, own, started = _busy_seconds(), _own_cpu_seconds(), time.monotonic()
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=_fresh_launch_env())
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=_fresh_launch_env(nproc))
         wall = time.monotonic() - started
         busy_after, own_after = _busy_seconds(), _own_cpu_seconds()
         if done.returncode != 0 or not out.exists():
@@ -477,12 +477,13 @@ def contended_cores(report: Mapping[str, Any], nproc: int) -> float:
     ``other_load_cores`` less what its ``nproc`` processes did not claim (each one OpenMP thread, or as many as
     ``OMP_NUM_THREADS`` says; one process takes every core). 0.0 where the launch did not record it."""
     from ..config import usable_cores
+    from ..forking import chosen_threads
 
     other = report.get("other_load_cores")
     if other is None:
         return 0.0
     cores = usable_cores()
-    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    chosen = chosen_threads()
     threads = int(chosen) if chosen.isdigit() and int(chosen) > 0 else (1 if nproc > 1 else cores)
     return max(0.0, other - max(0, cores - nproc * threads))
 
@@ -496,15 +497,22 @@ def busy_note(report: Mapping[str, Any], nproc: int) -> str | None:
             f"its figures may be slow. Run `metadist calibrate --nproc {nproc}` when the machine is idle")
 
 
-def _fresh_launch_env() -> dict[str, str]:
-    """This process's environment without the variables of a torchrun launch it may be part of.
+def _fresh_launch_env(nproc: int) -> dict[str, str]:
+    """This process's environment without the variables of a torchrun launch it may be part of, with those a launch
+    of ``nproc`` ranks sets for them (:func:`metadist.forking.rank_environment`: one OpenMP thread per rank unless
+    the user chose a number, also where ``OMP_NUM_THREADS`` is empty, which torchrun leaves as it is and torch then
+    reads as a thread per core), as ``metadist run`` launches its ranks.
 
     A rank of ``metadist run`` or of the benchmark calibrates in a launch of its own, whose workers must not read
     the outer launch's rank, world size or rendezvous.
     """
+    from ..forking import rank_environment
+
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
               "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    return {key: value for key, value in os.environ.items() if key not in launch and not key.startswith("TORCHELASTIC_")}
+    env = {key: value for key, value in os.environ.items() if key not in launch and not key.startswith("TORCHELASTIC_")}
+    env.update({key: value for key, value in rank_environment(nproc).items() if value})
+    return env
 
 
 def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, launches: int | None = None,

@@ -14,7 +14,7 @@ import torch
 
 from ...ir import Graph, IRError, Literal, Node, ValueRef
 
-__all__ = ["resolve_op", "materialize", "execute_node", "execute_graph"]
+__all__ = ["resolve_op", "materialize", "execute_node", "execute_graph", "freed_after"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +67,21 @@ def execute_node(node: Node, env: Mapping[str, Any]) -> tuple[Any, ...]:
     return node_results(node, op(*args, **kwargs))
 
 
+def freed_after(graph: Graph) -> list[tuple[str, ...]]:
+    """Per node, in graph order: the values it reads last that the graph does not return, which an interpreter
+    frees after it (peak memory then follows the graph's liveness)."""
+    last_use: dict[str, int] = {}
+    for position, node in enumerate(graph.nodes):
+        for name in node.input_names:
+            last_use[name] = position
+    keep = {graph_output.name for graph_output in graph.outputs}
+    freed: list[list[str]] = [[] for _ in graph.nodes]
+    for name, position in last_use.items():
+        if name not in keep:
+            freed[position].append(name)
+    return [tuple(names) for names in freed]
+
+
 def execute_graph(
     graph: Graph,
     inputs: Sequence[torch.Tensor],
@@ -83,17 +98,11 @@ def execute_graph(
     if len(inputs) != len(graph.inputs):
         raise IRError(f"graph {graph.name!r} takes {len(graph.inputs)} inputs, got {len(inputs)}")
     env: dict[str, Any] = {graph_input.value.name: tensor for graph_input, tensor in zip(graph.inputs, inputs)}
-    last_use: dict[str, int] = {}
-    for position, node in enumerate(graph.nodes):
-        for name in node.input_names:
-            last_use[name] = position
-    keep = {graph_output.name for graph_output in graph.outputs}
-    for position, node in enumerate(graph.nodes):
+    for node, freed in zip(graph.nodes, freed_after(graph)):
         results = execute_node(node, env)
         for value, result in zip(node.outputs, results):
             if value is not None:
                 env[value.name] = result.contiguous() if value.name in contiguous_values else result
-        for name in set(node.input_names):
-            if last_use.get(name) == position and name not in keep:
-                env.pop(name, None)
+        for name in freed:
+            env.pop(name, None)
     return [env[graph_output.name] for graph_output in graph.outputs]
