@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import json
+import os
 
 import pytest
 import torch
@@ -429,7 +430,7 @@ def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
     from metadist.bench import suite
 
     ran: list[list[str]] = []
-    monkeypatch.setattr(suite, "_run", lambda argv: ran.append(argv) or True)
+    monkeypatch.setattr(suite, "_run", lambda argv, env=None: ran.append(argv) or True)
     monkeypatch.setattr(suite, "write_report", lambda *args, **kwargs: tmp_path / "benchmarks.md")
     assert suite.main(["--models", "gpt-85m,mlp,gpt2-tiny", "--skip-scale", "--docs", str(tmp_path)]) == 0
     steps = [("calibrate", argv[argv.index("--nproc") + 1]) if "calibrate" in argv else ("bench", argv[argv.index("metadist.bench.harness") + 1])
@@ -439,6 +440,26 @@ def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
     ran.clear()
     assert suite.main(["--models", "mlp", "--skip-scale", "--keep-calibration", "--docs", str(tmp_path)]) == 0
     assert len(ran) == 1 and "metadist.bench.harness" in ran[0]
+
+
+@pytest.mark.parametrize("chosen, expected", [("", "1"), ("  ", "1"), (None, "1"), ("3", "3")])
+def test_the_suites_harness_ranks_run_the_threads_a_metadist_run_rank_runs(monkeypatch, tmp_path, chosen, expected):
+    """torchrun passes an ``OMP_NUM_THREADS`` set to an empty string on as it is (every rank would run a thread per
+    core); the suite's harness launches set it as ``metadist run`` does, one thread a rank unless a number is chosen,
+    while its calibration launches set their own."""
+    from metadist.bench import suite
+
+    if chosen is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", chosen)
+    envs: dict[str, dict | None] = {}
+    monkeypatch.setattr(suite, "_run", lambda argv, env=None: envs.__setitem__(
+        "harness" if "metadist.bench.harness" in argv else "calibrate", env) or True)
+    monkeypatch.setattr(suite, "write_report", lambda *args, **kwargs: tmp_path / "benchmarks.md")
+    assert suite.main(["--models", "mlp", "--skip-scale", "--docs", str(tmp_path)]) == 0
+    assert envs["harness"]["OMP_NUM_THREADS"] == expected and envs["harness"]["PATH"] == os.environ["PATH"]
+    assert envs["calibrate"] is None
 
 
 def _recorder_entry(record_id: int, name: str, group: str, sizes, dtypes, output_sizes=None) -> dict:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..forking import rank_environment
 from .report import write_report
 
 log = logging.getLogger(__name__)
@@ -87,10 +89,20 @@ def calibrate_argv(nproc: int) -> list[str]:
     return [sys.executable, "-m", "metadist.cli.main", "calibrate", "--nproc", str(nproc)]
 
 
-def _run(argv: list[str]) -> bool:
+def harness_env(nproc: int) -> dict[str, str]:
+    """The environment of a harness launch of ``nproc`` ranks: this process's, with the variables ``metadist run``
+    sets for its ranks (:func:`metadist.forking.rank_environment`). torchrun passes an ``OMP_NUM_THREADS`` set to an
+    empty string on as it is, and each rank would then run a thread per core where a ``metadist run`` rank runs one:
+    the page would time other programs than the ones the plans were priced for."""
+    env = dict(os.environ)
+    env.update({key: value for key, value in rank_environment(nproc).items() if value})
+    return env
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None) -> bool:
     """Run one step of the suite; a failure is logged and the suite goes on with the next."""
     log.info("running: %s", shlex.join(argv))
-    completed = subprocess.run(argv, check=False)
+    completed = subprocess.run(argv, check=False, env=env)
     if completed.returncode != 0:
         log.error("benchmark step failed with exit status %d: %s", completed.returncode, shlex.join(argv))
     return completed.returncode == 0
@@ -119,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             nproc = entry.nproc or args.nproc
             if not args.keep_calibration:
                 _run(calibrate_argv(nproc))
-            _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"))
+            _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"),
+                 env=harness_env(nproc))
     scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
     commands.append(shlex.join(["python", *scale_argv[1:]]))
     if not args.skip_scale:
