@@ -262,7 +262,7 @@ def test_interleaved_timing_takes_one_step_of_each_method_a_round_rotating_the_o
     monkeypatch.setattr(harness, "measure_method", measure_method)
     config = harness.HarnessConfig(model="mlp", methods=("ddp", "single", "zero3", "metadist-ilp"), steps=3, warmup=1,
                                    mesh_shape=(), batch_size=None, seq_len=None, optimizer="adamw", out="x.json",
-                                   predict=False, timeout_s=10.0, timed_alone=("single",))
+                                   predict=False, timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0)
     ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     results = harness.measure_interleaved(config.methods, None, ctx, config)
 
@@ -276,6 +276,50 @@ def test_interleaved_timing_takes_one_step_of_each_method_a_round_rotating_the_o
     assert calls[4:7] == ["ddp", "zero3", "metadist-ilp"]  # no barrier before an untimed warm-up step
     assert calls.count("barrier") == 9  # one before each timed step
     assert all(len(r.step_times_s) == 3 for r in results)
+
+
+def test_interleaved_rounds_are_added_until_they_span_min_timed_s_and_losses_stay_after_steps(monkeypatch):
+    """Rounds are added after ``steps`` timed ones while they spanned under ``min_timed_s`` (the slowest rank's span,
+    agreed with one all-reduce), at most MAX_TIMED_STEPS in all; each method's final loss stays the one after
+    ``steps`` timed steps, so that methods are compared after the same number of steps."""
+    from dataclasses import replace
+
+    from metadist.bench import harness
+    from metadist.bench.baselines import Prepared
+
+    monkeypatch.setattr(harness.dist, "barrier", lambda: None)
+    reduced: list[float] = []
+
+    def all_reduce(tensor, op=None):
+        reduced.append(float(tensor))
+        tensor.fill_(2.0 * float(tensor))  # another rank was twice as slow
+
+    monkeypatch.setattr(harness.dist, "all_reduce", all_reduce)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: 0.01 * next(clock))  # every step 10 ms on this rank
+
+    def built(method):
+        counter = iter(range(1, 10**6))
+        step = Prepared(method, lambda: torch.tensor(float(next(counter))), (), (2,))
+        return harness._Built(method, step, None, None, {}, {}, [])
+
+    monkeypatch.setattr(harness, "build_method", lambda method, workload, ctx: built(method))
+    monkeypatch.setattr(harness, "finish_method", lambda item, ctx: MethodResult(
+        method=item.method, status=STATUS_OK, step_times_s=tuple(item.times), final_loss=float(item.loss)))
+    config = harness.HarnessConfig(model="mlp", methods=("ddp", "zero3"), steps=4, warmup=1, mesh_shape=(),
+                                   batch_size=None, seq_len=None, optimizer="adamw", out="x.json", predict=False,
+                                   timeout_s=10.0, min_timed_s=0.4)
+    ctx = type("Ctx", (), {"device": torch.device("cpu")})()
+    results = harness.measure_interleaved(config.methods, None, ctx, config)
+    assert reduced == pytest.approx([0.08])  # 2 methods x 4 timed steps x 10 ms on this rank
+    # the slowest rank's 4 rounds took 0.16 s: 10 rounds span 0.4 s, so 6 are added
+    assert [len(result.step_times_s) for result in results] == [10, 10]
+    assert [result.final_loss for result in results] == [5.0, 5.0]  # after the warm-up and 4 timed steps
+    assert harness.steps_for_span(0.16, 4, 0.4) == 6
+    assert harness.steps_for_span(0.001, 10, 10.0) == harness.MAX_TIMED_STEPS - 10  # capped
+    assert harness.steps_for_span(12.0, 10, 10.0) == 0 and harness.steps_for_span(0.0, 10, 10.0) == 0
+    with pytest.raises(ValueError, match="--min-timed-s must be >= 0"):
+        replace(config, min_timed_s=-1.0)
 
 
 def test_harness_arguments_check_the_timing_and_the_methods_timed_alone():

@@ -10,8 +10,11 @@ Each method, as a recipe (the same for every method):
    one is the measured step for collective bytes (:mod:`.comm_count`) and memory
    (:mod:`.memory_track`);
 3. run ``warmup`` more steps, then ``steps`` timed ones, each started after a barrier; a step's
-   time is the slowest rank's;
-4. the loss of the last step, summed over the ranks' contributions, is the whole batch's loss.
+   time is the slowest rank's; then more timed ones while they spanned under ``--min-timed-s``
+   (:data:`MIN_TIMED_S`; interleaved, more rounds), so that a tiny model's steps are timed over
+   seconds, not one scheduler turn;
+4. the loss after the first ``steps`` timed steps, summed over the ranks' contributions, is the
+   whole batch's loss.
 
 ``--timing interleaved`` (the default) builds and profiles every method first and keeps them all; then each round
 runs one warm-up or timed step of every method in turn, the order rotated by one each round. A machine whose speed
@@ -24,8 +27,8 @@ for the process before the first method is built, as a compiled step sets it): t
 which ran without it before and touched fresh pages after every free. ``--timing sequential`` times each method
 right after its build and frees it before the next.
 
-Every method runs ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
-global batch, so their final losses must agree with the single-device one (relative tolerance
+Every method's final loss is taken after ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
+global batch (the steps added for time's sake come after it), so their final losses must agree with the single-device one (relative tolerance
 :data:`.results.LOSS_RTOL`). Dropout is switched off (every dropout probability set to 0):
 with dropout on, each method draws different masks and the losses could not be compared.
 MetaDist compiles (capture, discovery, solve, lowering) outside the profiler, so its compile
@@ -38,6 +41,7 @@ import argparse
 import datetime
 import gc
 import logging
+import math
 import os
 import platform
 import sys
@@ -69,6 +73,14 @@ needs the sum of their memory: GPT-2 small's five took all of this machine's 24 
 distributed ones 20 GB."""
 PROFILED_STEPS = 2
 """Steps run under the profiler; the last is the measured one (the first allocates optimizer state)."""
+MIN_TIMED_S = 10.0
+"""Default ``--min-timed-s``: the seconds a method's timed steps (or, interleaved, the rounds) span at least. On this
+project's 2-core machine one thread's matmul and add moved by 10-20 % from one few-second sample to the next within a
+minute, and 4 processes sharing 2 cores make a step of a few milliseconds about one scheduler turn: ten timed steps
+of a tiny model spanned a fraction of a second, and the same program run as two methods in the same rounds (the ILP
+plan with and without overlap on mlp) came out 6.3 and 8.4 ms on one page, 8.5 and 7.1 on another."""
+MAX_TIMED_STEPS = 300
+"""The most timed steps ``--min-timed-s`` adds up to."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +91,8 @@ class HarnessConfig:
     """Built-in name or path/to/file.py[:function]."""
     methods: tuple[str, ...]
     steps: int
-    """Timed steps per method."""
+    """Timed steps per method, at least; more where they took under ``min_timed_s`` (:func:`timed_steps_to_add`).
+    Every method's final loss is the one after this many (the same number of steps for every method)."""
     warmup: int
     """Unprofiled, untimed steps before the timed ones."""
     mesh_shape: tuple[int, ...]
@@ -100,6 +113,8 @@ class HarnessConfig:
     the other's (see the module docstring)."""
     timed_alone: tuple[str, ...] = ()
     """With interleaved timing, the methods measured on their own first (and freed before the others are built)."""
+    min_timed_s: float = MIN_TIMED_S
+    """Timed steps are added after the first ``steps`` until they span about this many seconds (0: none added)."""
 
     def __post_init__(self) -> None:
         unknown = [method for method in self.methods if method not in ALL_METHODS]
@@ -112,6 +127,8 @@ class HarnessConfig:
             raise ValueError(f"--timed-alone names {stray}, which --methods does not run; name methods of --methods")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
+        if not self.min_timed_s >= 0:
+            raise ValueError(f"--min-timed-s must be >= 0 seconds, got {self.min_timed_s}")
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -131,7 +148,11 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
     parser = argparse.ArgumentParser(prog="python -m metadist.bench.harness", description=__doc__.split("\n")[0])
     parser.add_argument("model")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated; default: all")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps per method, at least (the final losses are compared after this many)")
+    parser.add_argument("--min-timed-s", type=float, default=MIN_TIMED_S,
+                        help=f"add timed steps until a method's (interleaved: a round's) span about this many seconds, "
+                             f"at most {MAX_TIMED_STEPS} steps in all (default {MIN_TIMED_S:g}; 0: exactly --steps)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--mesh", default="", help="DPxTP mesh for tp-dp and MetaDist, e.g. 2x2")
     parser.add_argument("--batch-size", type=int, default=None)
@@ -162,7 +183,7 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
         warmup=args.warmup, mesh_shape=parse_mesh(args.mesh), batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=args.optimizer, out=args.out, predict=not args.no_predict, timeout_s=args.timeout_s,
         cluster=args.cluster, timing=args.timing,
-        timed_alone=timed_alone,
+        timed_alone=timed_alone, min_timed_s=args.min_timed_s,
     )
 
 
@@ -335,7 +356,32 @@ def measure_method(method: str, workload: Workload, ctx: RankContext, config: Ha
         built.loss = built.prepared.step()
     for _ in range(config.steps):
         _timed_step(built, ctx)
+    compared = built.loss
+    for _ in range(timed_steps_to_add(sum(built.times), config, ctx)):
+        _timed_step(built, ctx)
+    built.loss = compared
     return finish_method(built, ctx)
+
+
+def timed_steps_to_add(span_s: float, config: HarnessConfig, ctx: RankContext) -> int:
+    """Timed steps (or interleaved rounds) to add after the first ``config.steps``, which took ``span_s`` on this
+    rank, so that all of them span about ``config.min_timed_s``: the same on every rank (the slowest rank's span),
+    at most :data:`MAX_TIMED_STEPS` in all. A method's final loss stays the one after ``config.steps``, so that every
+    method's is compared after as many steps whatever was added."""
+    if config.min_timed_s <= 0:
+        return 0
+    slowest = torch.tensor([span_s], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return steps_for_span(float(slowest), config.steps, config.min_timed_s)
+
+
+def steps_for_span(span_s: float, steps: int, min_timed_s: float) -> int:
+    """Steps to add to ``steps`` that took ``span_s`` so that all span ``min_timed_s`` at the same pace, within
+    :data:`MAX_TIMED_STEPS` in all."""
+    if span_s <= 0 or span_s >= min_timed_s:
+        return 0
+    wanted = math.ceil(steps * min_timed_s / span_s - 1e-9)  # 10.000000000000002 rounds is 10
+    return max(0, min(wanted, MAX_TIMED_STEPS) - steps)
 
 
 def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankContext,
@@ -366,6 +412,13 @@ def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankC
                     built.loss = built.prepared.step()
                 else:
                     _timed_step(built, ctx)
+        compared = [built.loss for built in alive]
+        added = timed_steps_to_add(sum(sum(built.times) for built in alive), config, ctx) if alive else 0
+        for index in range(config.warmup + config.steps, config.warmup + config.steps + added):
+            for turn in range(len(alive)):
+                _timed_step(alive[(index + turn) % len(alive)], ctx)
+        for built, loss in zip(alive, compared):
+            built.loss = loss
     for built in alive:
         results[built.method] = finish_method(built, ctx)
     return [results[method] for method in methods]
@@ -456,6 +509,7 @@ def run(config: HarnessConfig, argv: list[str]) -> int:
         bench = BenchRun(
             model=workload.name or config.model, world_size=ctx.world_size, mesh_shape=tuple(ctx.mesh_shape),
             backend=dist.get_backend(), device=ctx.device.type, steps=config.steps, warmup=config.warmup,
+            min_timed_s=config.min_timed_s,
             timing=config.timing, timed_alone=config.timed_alone if config.timing == "interleaved" else (),
             batch_shapes={key: tuple(value.shape) for key, value in workload.batch.items()},
             params=sum(p.numel() for p in workload.model.parameters()), machine=machine_info(), versions=versions(),

@@ -345,7 +345,7 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
     for run in runs:
         shapes = ", ".join(f"{key} {tuple(value)}" for key, value in run.batch_shapes.items())
         parts += [f"## {run.model}: {run.world_size} processes, mesh {'x'.join(map(str, run.mesh_shape))}", "",
-                  f"{run.params:,} parameters; global batch {shapes}; {run.warmup} warm-up and {run.steps} timed steps "
+                  f"{run.params:,} parameters; global batch {shapes}; {run.warmup} warm-up and {_timed_words(run)} "
                   f"after 2 profiled ones, {_timing_words(run)}.", "", run_table(run), ""]
         experts = [f"- {result.method}: {result.note.split('; ', 1)[1]}" for result in run.methods
                    if result.ok and "; expert weights" in result.note]
@@ -476,6 +476,17 @@ def _load_lines(runs: Sequence[BenchRun]) -> list[str]:
         return []
     return [f"- 1-minute load average at the end of each run (on {runs[0].machine.get('cpu_count')} CPUs): "
             f"{', '.join(loads)}. Above the CPU count, processes wait for a core and step times stretch."]
+
+
+def _timed_words(run: BenchRun) -> str:
+    """How many timed steps each method took: ``steps``, or the range its rows took where steps were added to span
+    ``min_timed_s`` (the losses compared after ``steps``)."""
+    counts = sorted({len(result.step_times_s) for result in run.methods if result.ok and result.step_times_s})
+    if not run.min_timed_s or not counts or counts == [run.steps]:
+        return f"{run.steps} timed steps"
+    taken = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (f"{taken} timed steps (at least {run.steps}, more to span about {run.min_timed_s:g} s; losses compared "
+            f"after {run.steps})")
 
 
 def _timing_words(run: BenchRun) -> str:

@@ -92,6 +92,10 @@ class BenchRun:
     method's after the other's; what files without the field did)."""
     timed_alone: tuple[str, ...] = ()
     """With interleaved timing, the methods timed on their own first (memory: see the harness's ``--timed-alone``)."""
+    min_timed_s: float = 0.0
+    """Timed steps were added after the first ``steps`` until they spanned about this many seconds (the harness's
+    ``--min-timed-s``; 0: exactly ``steps``, what files without the field did). Each method's count is the length
+    of its ``step_times_s``."""
 
     def method(self, name: str) -> MethodResult | None:
         return next((result for result in self.methods if result.method == name), None)
