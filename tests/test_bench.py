@@ -480,7 +480,15 @@ def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
     steps = [("calibrate", argv[argv.index("--nproc") + 1]) if "calibrate" in argv else ("bench", argv[argv.index("metadist.bench.harness") + 1])
              for argv in ran]
     assert steps == [("calibrate", "2"), ("bench", "examples/gpt_85m.py"), ("calibrate", "4"), ("bench", "mlp"),
-                     ("calibrate", "4"), ("bench", "gpt2-tiny")]
+                     ("calibrate", "4"), ("bench", "gpt2-tiny"), ("calibrate", "2"), ("bench", "gpt2-tiny"),
+                     ("calibrate", "2"), ("bench", "gpt2-tiny")]  # a model's name runs each of its entries
+    outs = [argv[argv.index("--out") + 1].rsplit("/", 1)[-1] for argv in ran if "--out" in argv]
+    assert outs == ["gpt-85m-2proc.json", "mlp-4proc.json", "gpt2-tiny-4proc.json", "gpt2-tiny-2proc-bf16.json",
+                    "gpt2-tiny-2proc-recompute.json"]
+    ran.clear()
+    assert suite.main(["--models", "gpt2-tiny-recompute", "--skip-scale", "--docs", str(tmp_path)]) == 0
+    assert [argv[argv.index("--out") + 1].rsplit("/", 1)[-1] for argv in ran if "--out" in argv] == [
+        "gpt2-tiny-2proc-recompute.json"]
     ran.clear()
     assert suite.main(["--models", "mlp", "--skip-scale", "--keep-calibration", "--docs", str(tmp_path)]) == 0
     assert len(ran) == 1 and "metadist.bench.harness" in ran[0]

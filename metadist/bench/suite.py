@@ -9,7 +9,9 @@ project's shared 2-core machine ran matmuls at 49 and at 94 GFLOP/s within the s
 at 37 GFLOP/s, then gpt-85m's step at 1.3x the speed it assumed, predicted 0.68-0.84 of every method's measured
 step). ``--keep-calibration`` plans with the cached one. Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
 files land in ``docs/bench/results/``, the scale study in ``docs/bench/scale_study.json``, and the
-page and its plots are written from them (:mod:`.report`).
+page and its plots are written from them (:mod:`.report`). ``--models`` names entries by model (every entry of it:
+``gpt2-tiny`` runs its 4-process entry and its two 2-process ones) or by result stem less the process count
+(``gpt2-tiny-bf16``).
 """
 
 from __future__ import annotations
@@ -47,11 +49,23 @@ class SuiteEntry:
     timed_alone: str | None = None
     """Comma-separated methods the harness times on their own, not interleaved with the others (None: its default,
     the one-device reference): what keeps the methods alive together within the machine's memory."""
+    tag: str = ""
+    """What tells this entry's result file from another entry's of the same model and processes (its stem ends
+    ``-TAG``)."""
 
     @property
     def slug(self) -> str:
         """The result file's stem: the model's name (a file's stem for a model file)."""
         return Path(self.model.split(":")[0]).stem.replace("_", "-") if self.model.endswith(".py") or ".py:" in self.model else self.model
+
+    def result_name(self, nproc: int) -> str:
+        """The result file's name: ``SLUG-Nproc[-TAG].json``."""
+        return f"{self.slug}-{nproc}proc{'-' + self.tag if self.tag else ''}.json"
+
+    def chosen_by(self, wanted: set[str]) -> bool:
+        """Whether ``--models`` names this entry: by its model, its slug (every entry of that model) or
+        ``SLUG-TAG``."""
+        return bool({self.model, self.slug, f"{self.slug}-{self.tag}" if self.tag else self.slug} & wanted)
 
 
 LEADING_METHODS = "single,ddp,zero2,zero3,metadist-ilp"
@@ -69,6 +83,11 @@ DEFAULT_ENTRIES = (
     SuiteEntry("llama-tiny", "2x2"),
     SuiteEntry("bert-tiny", "2x2"),
     SuiteEntry("mixtral-mini", "2x2"),  # mixture of experts: expert parallelism against DP, ZeRO and TP
+    # mixed precision and recomputation: MetaDist's bfloat16 and recomputing plans on 2 processes
+    SuiteEntry("gpt2-tiny", "", nproc=2, methods="single,ddp,zero3,metadist-ilp,metadist-ilp-bf16", batch=(16, 64),
+               tag="bf16"),
+    SuiteEntry("gpt2-tiny", "", nproc=2, batch=(16, 64), tag="recompute",
+               methods="metadist-ilp,metadist-ilp-recompute,metadist-ilp-bf16,metadist-ilp-bf16-recompute"),
 )
 
 
@@ -126,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.models.split(","))
     commands = []
     if not args.skip_measure:
-        entries = [entry for entry in DEFAULT_ENTRIES if entry.slug in wanted or entry.model in wanted]
+        entries = [entry for entry in DEFAULT_ENTRIES if entry.chosen_by(wanted)]
         for entry in entries:
             nproc = entry.nproc or args.nproc
             if not args.keep_calibration:
                 _run(calibrate_argv(nproc))
-            _run(harness_argv(entry, args.nproc, args.steps, results / f"{entry.slug}-{nproc}proc.json"),
+            _run(harness_argv(entry, args.nproc, args.steps, results / entry.result_name(nproc)),
                  env=harness_env(nproc))
     scale_argv = [sys.executable, "-m", "metadist.bench.scale_study", "--out", str(scale_path), "-v"]
     commands.append(shlex.join(["python", *scale_argv[1:]]))
