@@ -346,6 +346,24 @@ def test_the_calibration_prices_waits_by_gap_where_the_short_phases_wait_is_much
     assert cluster_from_report(_report_with_waits(isolated + 3e-3, isolated + 5e-3), Mesh((4,))).link(0).sync_by_gap == ()
 
 
+def test_waits_by_gap_are_placed_at_the_compute_a_step_prices_for_their_phases_where_ranks_share_cores():
+    """Ranks sharing cores (4 on 2: every rate halved, ``sustained_slowdown`` 2) are priced at twice a free core's
+    compute, while the calibration's phases of a few milliseconds ran within a turn, at a free core's speed: a point's
+    gap is its phase's seconds as a step prices them, so that a call after 2.8 ms of priced compute (1.4 ms of a free
+    core's) waits what the calibration's call after 1.4 ms did, not what its call after 2.8 did."""
+    from metadist.cost.calibrate import cluster_over_mesh
+
+    report = _report_with_waits(0.6e-3, 9e-3, pair_short_s=1e-3)
+    report["device"]["core_sharing"] = 2.0
+    link = cluster_from_report(report, Mesh((4,))).link(0)
+    isolated = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 4, replace(link, sync_s=0.0, sync_by_gap=()))[0]
+    assert [value for point in link.sync_by_gap for value in point] == pytest.approx([0.5e-3, 0.6e-3 - isolated, 5.6e-3, 9e-3 - isolated])
+    assert link.sync_after(2.8e-3) == pytest.approx(0.6e-3 + (9e-3 - 0.6e-3) * (2.3 / 5.1) - isolated)
+    assert link.sync_s == pytest.approx(9e-3 - isolated)  # the search's flat price is unchanged
+    pair = cluster_over_mesh(report, Mesh((2, 2))).link(0)
+    assert [point[0] for point in pair.sync_by_gap] == pytest.approx([0.5e-3, 5.6e-3])
+
+
 def test_ranks_with_a_core_each_take_the_wait_after_a_long_stretch_of_compute_as_a_third_point():
     """Version 21: 2 gloo processes on 2 cores waited alike after 0.24 and 2.7 ms of compute (0.31 and 0.45 ms) and
     longer after 9 ms (1.2): the two short points alone were no curve, so every call paid the 2.7 ms point's wait,

@@ -211,23 +211,34 @@ plan would only add a second search to every plan (on 4 processes sharing 2 core
 0.5 and 5.6 in pairs)."""
 
 
-def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: str = "") -> tuple[tuple[float, float], ...]:
+def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: str = "",
+                slowdown: float = 1.0) -> tuple[tuple[float, float], ...]:
     """The (compute gap, wait) points of a link (:attr:`.cluster.Link.sync_by_gap`): the waits of the in-step
     all-reduce after the short and the long compute phase (``in_step_collective_short_s`` and
     ``in_step_collective_s``, with ``group`` ``:SIZE`` for groups of SIZE; :func:`collective_sync_s`), at the
     phases' measured seconds, and after the longest phase where it was timed (``in_step_collective_long_s``, version
     21: ranks with a core each drift apart over a model's stretches of compute), its wait at least the long phase's.
     Empty without the figures (a calibration before version 18, one device) or where the short wait is not under
-    :data:`SYNC_GAP_MATTERS` of the last point's and :data:`SYNC_GAP_MIN_S` shorter."""
+    :data:`SYNC_GAP_MATTERS` of the last point's and :data:`SYNC_GAP_MIN_S` shorter.
+
+    A point's gap is its phase's measured seconds times ``slowdown`` (:func:`sustained_slowdown`): the gaps it is
+    looked up with are a step's priced compute, which that factor scales (ranks that share cores take turns over a
+    step), while a phase of a few milliseconds ran within one turn, at a free core's speed (on 4 processes sharing
+    this project's 2 cores: 1,200 tiny ops in 2.14 ms, 1.8 us an op, where one rank alone runs them at 1.5). Looked up
+    with the priced gaps at the phases' own seconds, mlp's ILP plan (one call after 2.05 ms of compute priced, about
+    1 ms of a free core's) was priced at the wait after 2 ms of a free core's compute: 10.2 ms a step, where it
+    ran 7.6-7.9."""
     needed = ("compute_phase_short_s", "compute_phase_s", f"in_step_collective_short_s{group}", f"in_step_collective_s{group}")
     if axis_size <= 1 or any(figures.get(key) is None for key in needed):
         return ()
     short_gap, long_gap, short, long = (float(figures[key]) for key in needed)
+    short_gap, long_gap = short_gap * slowdown, long_gap * slowdown
     short_wait, long_wait = collective_sync_s(short, link, axis_size), collective_sync_s(long, link, axis_size)
     points = [(short_gap, short_wait), (long_gap, long_wait)]
     longest = (figures.get("compute_phase_long_s"), figures.get(f"in_step_collective_long_s{group}"))
-    if None not in longest and float(longest[0]) > long_gap:
-        points.append((float(longest[0]), max(collective_sync_s(float(longest[1]), link, axis_size), long_wait)))
+    if None not in longest and float(longest[0]) * slowdown > long_gap:
+        points.append((float(longest[0]) * slowdown,
+                       max(collective_sync_s(float(longest[1]), link, axis_size), long_wait)))
     last_wait = points[-1][1]
     if not short_wait < SYNC_GAP_MATTERS * last_wait or last_wait - short_wait < SYNC_GAP_MIN_S or not short_gap < long_gap:
         return ()
@@ -238,14 +249,14 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
     """A cluster from the worker's JSON report."""
     links = []
     figures = report["device"]
+    slowdown = sustained_slowdown(figures)
     for axis, size in enumerate(mesh.shape):
         rows = [m for m in report["measurements"] if m["axis"] == axis]
         link = fit_link(rows, size, f"{report['backend']}-{mesh.axis_names[axis]}", backend_reduce_scatters_as_all_reduce(report["backend"]))
         links.append(replace(link, sync_s=collective_sync_s(figures.get("in_step_collective_s"), link, size),
-                             sync_by_gap=sync_by_gap(figures, link, size),
+                             sync_by_gap=sync_by_gap(figures, link, size, slowdown=slowdown),
                              fsdp_unit_costs=fsdp_unit_costs(figures,
                                                              None if size == report.get("world_size") else size)))
-    slowdown = sustained_slowdown(figures)
 
     def rates(values: Mapping[str, float]) -> dict[str, float]:
         return {key: value / slowdown for key, value in values.items()}
@@ -691,7 +702,8 @@ def cluster_over_mesh(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
             links.append(replace(link, sync_s=whole.sync_s, sync_by_gap=whole.sync_by_gap))
         else:
             links.append(replace(link, sync_s=collective_sync_s(in_step, link, size),
-                                 sync_by_gap=sync_by_gap(report["device"], link, size, f":{size}")))
+                                 sync_by_gap=sync_by_gap(report["device"], link, size, f":{size}",
+                                                         slowdown=flat.device.sustained_slowdown)))
     return Cluster(mesh=mesh, device=flat.device, axis_links=tuple(links), name=flat.name)
 
 
