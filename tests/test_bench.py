@@ -486,9 +486,9 @@ def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
     assert outs == ["gpt-85m-2proc.json", "mlp-4proc.json", "gpt2-tiny-4proc.json", "gpt2-tiny-2proc-bf16.json",
                     "gpt2-tiny-2proc-recompute.json"]
     ran.clear()
-    assert suite.main(["--models", "gpt2-tiny-recompute", "--skip-scale", "--docs", str(tmp_path)]) == 0
+    assert suite.main(["--models", "gpt2-tiny-recompute,gpt2-tiny-4proc", "--skip-scale", "--docs", str(tmp_path)]) == 0
     assert [argv[argv.index("--out") + 1].rsplit("/", 1)[-1] for argv in ran if "--out" in argv] == [
-        "gpt2-tiny-2proc-recompute.json"]
+        "gpt2-tiny-4proc.json", "gpt2-tiny-2proc-recompute.json"]  # a result stem names one entry
     ran.clear()
     assert suite.main(["--models", "mlp", "--skip-scale", "--keep-calibration", "--docs", str(tmp_path)]) == 0
     assert len(ran) == 1 and "metadist.bench.harness" in ran[0]

@@ -10,8 +10,8 @@ at 37 GFLOP/s, then gpt-85m's step at 1.3x the speed it assumed, predicted 0.68-
 step). ``--keep-calibration`` plans with the cached one. Each model runs in its own harness invocation (a fresh set of torchrun processes); the result
 files land in ``docs/bench/results/``, the scale study in ``docs/bench/scale_study.json``, and the
 page and its plots are written from them (:mod:`.report`). ``--models`` names entries by model (every entry of it:
-``gpt2-tiny`` runs its 4-process entry and its two 2-process ones) or by result stem less the process count
-(``gpt2-tiny-bf16``).
+``gpt2-tiny`` runs its 4-process entry and its two 2-process ones), by result file stem (``gpt2-tiny-4proc``,
+``gpt2-tiny-2proc-bf16``) or by the stem less the process count (``gpt2-tiny-bf16``).
 """
 
 from __future__ import annotations
@@ -62,10 +62,13 @@ class SuiteEntry:
         """The result file's name: ``SLUG-Nproc[-TAG].json``."""
         return f"{self.slug}-{nproc}proc{'-' + self.tag if self.tag else ''}.json"
 
-    def chosen_by(self, wanted: set[str]) -> bool:
-        """Whether ``--models`` names this entry: by its model, its slug (every entry of that model) or
-        ``SLUG-TAG``."""
-        return bool({self.model, self.slug, f"{self.slug}-{self.tag}" if self.tag else self.slug} & wanted)
+    def chosen_by(self, wanted: set[str], nproc: int) -> bool:
+        """Whether ``--models`` names this entry (of ``nproc`` processes): by its model or slug (every entry of that
+        model), by its result file's stem (``SLUG-Nproc[-TAG]``) or by ``SLUG-TAG``."""
+        names = {self.model, self.slug, self.result_name(nproc).removesuffix(".json")}
+        if self.tag:
+            names.add(f"{self.slug}-{self.tag}")
+        return bool(names & wanted)
 
 
 LEADING_METHODS = "single,ddp,zero2,zero3,metadist-ilp"
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.models.split(","))
     commands = []
     if not args.skip_measure:
-        entries = [entry for entry in DEFAULT_ENTRIES if entry.chosen_by(wanted)]
+        entries = [entry for entry in DEFAULT_ENTRIES if entry.chosen_by(wanted, entry.nproc or args.nproc)]
         for entry in entries:
             nproc = entry.nproc or args.nproc
             if not args.keep_calibration:
