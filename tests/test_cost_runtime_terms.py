@@ -356,8 +356,10 @@ def test_waits_by_gap_are_placed_at_the_compute_a_step_prices_for_their_phases_w
     report = _report_with_waits(0.6e-3, 9e-3, pair_short_s=1e-3)
     report["device"]["core_sharing"] = 2.0
     link = cluster_from_report(report, Mesh((4,))).link(0)
-    isolated = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 4, replace(link, sync_s=0.0, sync_by_gap=()))[0]
-    assert [value for point in link.sync_by_gap for value in point] == pytest.approx([0.5e-3, 0.6e-3 - isolated, 5.6e-3, 9e-3 - isolated])
+    bare = replace(link, sync_s=0.0, sync_by_gap=())
+    isolated = collective_seconds("all_reduce", IN_STEP_COLLECTIVE_BYTES, 4, bare)[0]
+    assert [value for point in link.sync_by_gap for value in point] == pytest.approx(
+        [0.5e-3, 0.6e-3 - isolated, 5.6e-3, 9e-3 - isolated])
     assert link.sync_after(2.8e-3) == pytest.approx(0.6e-3 + (9e-3 - 0.6e-3) * (2.3 / 5.1) - isolated)
     assert link.sync_s == pytest.approx(9e-3 - isolated)  # the search's flat price is unchanged
     pair = cluster_over_mesh(report, Mesh((2, 2))).link(0)

@@ -28,9 +28,9 @@ which ran without it before and touched fresh pages after every free. ``--timing
 right after its build and frees it before the next.
 
 Every method's final loss is taken after ``PROFILED_STEPS + warmup + steps`` steps from the same weights on the same
-global batch (the steps added for time's sake come after it), so their final losses must agree with the single-device one (relative tolerance
-:data:`.results.LOSS_RTOL`). Dropout is switched off (every dropout probability set to 0):
-with dropout on, each method draws different masks and the losses could not be compared.
+global batch (the steps added for time's sake come after it), so their final losses must agree with the
+single-device one (relative tolerance :data:`.results.LOSS_RTOL`). Dropout is switched off (every dropout
+probability set to 0): with dropout on, each method draws different masks and the losses could not be compared.
 MetaDist compiles (capture, discovery, solve, lowering) outside the profiler, so its compile
 times carry no profiling overhead.
 """
