@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, Mapping
 
-__all__ = ["FORK_PRELOAD", "chosen_threads", "environment", "fork_server_exists", "rank_environment",
-           "start_fork_server"]
+__all__ = ["FORK_PRELOAD", "chosen_threads", "environment", "fork_server_exists", "launch_environment",
+           "rank_environment", "start_fork_server"]
 
 FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "metadist.runtime.build",
                 "metadist.runtime.step", "metadist.runtime.check", "metadist.solver", "metadist.ir.plan",
@@ -44,6 +44,14 @@ def rank_environment(nproc: int) -> dict[str, str]:
     blank string chooses none: torchrun leaves it as it is, and torch then runs as many threads as the host has cores
     in every rank (the issue's 12-layer GPT on 2 processes of a 2-core machine: each step 4.5-6.3 s against 2.3-2.9)."""
     return {"OMP_NUM_THREADS": "1" if nproc > 1 and not chosen_threads() else ""}
+
+
+def launch_environment(nproc: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (this process's environment by default) with the variables :func:`rank_environment` sets for a launch
+    of ``nproc`` ranks: the environment to hand a subprocess that launches them (torchrun) itself."""
+    env = dict(os.environ if base is None else base)
+    env.update({key: value for key, value in rank_environment(nproc).items() if value})
+    return env
 
 
 @contextlib.contextmanager

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..forking import rank_environment
+from ..forking import launch_environment
 from .report import write_report
 
 log = logging.getLogger(__name__)
@@ -113,12 +112,10 @@ def calibrate_argv(nproc: int) -> list[str]:
 
 def harness_env(nproc: int) -> dict[str, str]:
     """The environment of a harness launch of ``nproc`` ranks: this process's, with the variables ``metadist run``
-    sets for its ranks (:func:`metadist.forking.rank_environment`). torchrun passes an ``OMP_NUM_THREADS`` set to an
+    sets for its ranks (:func:`metadist.forking.launch_environment`). torchrun passes an ``OMP_NUM_THREADS`` set to an
     empty string on as it is, and each rank would then run a thread per core where a ``metadist run`` rank runs one:
     the page would time other programs than the ones the plans were priced for."""
-    env = dict(os.environ)
-    env.update({key: value for key, value in rank_environment(nproc).items() if value})
-    return env
+    return launch_environment(nproc)
 
 
 def _run(argv: list[str], env: dict[str, str] | None = None) -> bool:

@@ -517,13 +517,12 @@ def _fresh_launch_env(nproc: int) -> dict[str, str]:
     A rank of ``metadist run`` or of the benchmark calibrates in a launch of its own, whose workers must not read
     the outer launch's rank, world size or rendezvous.
     """
-    from ..forking import rank_environment
+    from ..forking import launch_environment
 
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
               "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    env = {key: value for key, value in os.environ.items() if key not in launch and not key.startswith("TORCHELASTIC_")}
-    env.update({key: value for key, value in rank_environment(nproc).items() if value})
-    return env
+    return launch_environment(nproc, {key: value for key, value in os.environ.items()
+                                      if key not in launch and not key.startswith("TORCHELASTIC_")})
 
 
 def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, launches: int | None = None,
