@@ -405,23 +405,28 @@ def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankC
         else:
             alive.append(built)
     with phase("timed steps, interleaved"):
-        for index in range(config.warmup + config.steps):
-            for turn in range(len(alive)):
-                built = alive[(index + turn) % len(alive)]
-                if index < config.warmup:
-                    built.loss = built.prepared.step()
-                else:
-                    _timed_step(built, ctx)
+        first = config.warmup + config.steps
+        _rounds(alive, range(first), config.warmup, ctx)
         compared = [built.loss for built in alive]
         added = timed_steps_to_add(sum(sum(built.times) for built in alive), config, ctx) if alive else 0
-        for index in range(config.warmup + config.steps, config.warmup + config.steps + added):
-            for turn in range(len(alive)):
-                _timed_step(alive[(index + turn) % len(alive)], ctx)
+        _rounds(alive, range(first, first + added), config.warmup, ctx)
         for built, loss in zip(alive, compared):
             built.loss = loss
     for built in alive:
         results[built.method] = finish_method(built, ctx)
     return [results[method] for method in methods]
+
+
+def _rounds(alive: list[_Built], indices: range, warmup: int, ctx: RankContext) -> None:
+    """Rounds ``indices`` of the interleaved steps: one step of every method in each, starting ``index`` methods on;
+    a round below ``warmup`` is a warm-up (untimed, no barrier)."""
+    for index in indices:
+        for turn in range(len(alive)):
+            built = alive[(index + turn) % len(alive)]
+            if index < warmup:
+                built.loss = built.prepared.step()
+            else:
+                _timed_step(built, ctx)
 
 
 def _failed(method: str, err: BaseException) -> MethodResult:

@@ -211,8 +211,8 @@ plan would only add a second search to every plan (on 4 processes sharing 2 core
 0.5 and 5.6 in pairs)."""
 
 
-def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: str = "",
-                slowdown: float = 1.0) -> tuple[tuple[float, float], ...]:
+def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: str = "", *,
+                slowdown: float) -> tuple[tuple[float, float], ...]:
     """The (compute gap, wait) points of a link (:attr:`.cluster.Link.sync_by_gap`): the waits of the in-step
     all-reduce after the short and the long compute phase (``in_step_collective_short_s`` and
     ``in_step_collective_s``, with ``group`` ``:SIZE`` for groups of SIZE; :func:`collective_sync_s`), at the
@@ -221,7 +221,8 @@ def sync_by_gap(figures: Mapping[str, Any], link: Link, axis_size: int, group: s
     Empty without the figures (a calibration before version 18, one device) or where the short wait is not under
     :data:`SYNC_GAP_MATTERS` of the last point's and :data:`SYNC_GAP_MIN_S` shorter.
 
-    A point's gap is its phase's measured seconds times ``slowdown`` (:func:`sustained_slowdown`): the gaps it is
+    A point's gap is its phase's measured seconds times ``slowdown`` (:func:`sustained_slowdown` of the same figures,
+    required: a caller that left it out would bring the unit error below back): the gaps it is
     looked up with are a step's priced compute, which that factor scales (ranks that share cores take turns over a
     step), while a phase of a few milliseconds ran within one turn, at a free core's speed (on 4 processes sharing
     this project's 2 cores: 1,200 tiny ops in 2.14 ms, 1.8 us an op, where one rank alone runs them at 1.5). Looked up
