@@ -262,7 +262,8 @@ def test_interleaved_timing_takes_one_step_of_each_method_a_round_rotating_the_o
     monkeypatch.setattr(harness, "measure_method", measure_method)
     config = harness.HarnessConfig(model="mlp", methods=("ddp", "single", "zero3", "metadist-ilp"), steps=3, warmup=1,
                                    mesh_shape=(), batch_size=None, seq_len=None, optimizer="adamw", out="x.json",
-                                   predict=False, timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0)
+                                   predict=False, timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0,
+                                   settle_steps=0)
     ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     results = harness.measure_interleaved(config.methods, None, ctx, config)
 
@@ -308,7 +309,7 @@ def test_interleaved_rounds_are_added_until_they_span_min_timed_s_and_losses_sta
         method=item.method, status=STATUS_OK, step_times_s=tuple(item.times), final_loss=float(item.loss)))
     config = harness.HarnessConfig(model="mlp", methods=("ddp", "zero3"), steps=4, warmup=1, mesh_shape=(),
                                    batch_size=None, seq_len=None, optimizer="adamw", out="x.json", predict=False,
-                                   timeout_s=10.0, min_timed_s=0.4)
+                                   timeout_s=10.0, min_timed_s=0.4, settle_steps=0)
     ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     results = harness.measure_interleaved(config.methods, None, ctx, config)
     assert reduced == pytest.approx([0.08])  # 2 methods x 4 timed steps x 10 ms on this rank
@@ -320,6 +321,48 @@ def test_interleaved_rounds_are_added_until_they_span_min_timed_s_and_losses_sta
     assert harness.steps_for_span(12.0, 10, 10.0) == 0 and harness.steps_for_span(0.0, 10, 10.0) == 0
     with pytest.raises(ValueError, match="--min-timed-s must be >= 0"):
         replace(config, min_timed_s=-1.0)
+
+
+def test_a_timed_interleaved_step_follows_settle_steps_of_its_own_method_and_losses_compare_after_as_many(monkeypatch):
+    """In a timed round each method's turn is ``settle_steps`` untimed steps, then its timed step (a warm-up round: one
+    untimed step); a method timed on its own runs as many more untimed steps before its timed ones, so that every
+    method's final loss is taken after the same number of steps."""
+    from dataclasses import replace
+
+    from metadist.bench import harness
+    from metadist.bench.baselines import Prepared
+
+    calls: list[str] = []
+    monkeypatch.setattr(harness.dist, "barrier", lambda: calls.append("barrier"))
+
+    def built(method):
+        counter = iter(range(1, 10**6))
+
+        def step():
+            calls.append(method)
+            return torch.tensor(float(next(counter)))
+        return harness._Built(method, Prepared(method, step, (), (2,)), None, None, {}, {}, [])
+
+    monkeypatch.setattr(harness, "build_method", lambda method, workload, ctx: built(method))
+    monkeypatch.setattr(harness, "finish_method", lambda item, ctx: MethodResult(
+        method=item.method, status=STATUS_OK, step_times_s=tuple(item.times), final_loss=float(item.loss)))
+    config = harness.HarnessConfig(model="mlp", methods=("single", "ddp", "zero3"), steps=2, warmup=1, mesh_shape=(),
+                                   batch_size=None, seq_len=None, optimizer="adamw", out="x.json", predict=False,
+                                   timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0, settle_steps=2)
+    ctx = type("Ctx", (), {"device": torch.device("cpu")})()
+    results = harness.measure_interleaved(config.methods, None, ctx, config)
+
+    alone, rounds = calls[:calls.index("ddp")], calls[calls.index("ddp"):]
+    assert alone == ["single"] * 5 + ["barrier", "single", "barrier", "single"]  # warm-up 1 + settle 2 x 2 steps first
+    assert rounds == ["ddp", "zero3",  # the warm-up round
+                      "zero3", "zero3", "barrier", "zero3", "ddp", "ddp", "barrier", "ddp",  # two settle steps, timed
+                      "ddp", "ddp", "barrier", "ddp", "zero3", "zero3", "barrier", "zero3"]
+    assert [result.final_loss for result in results] == [7.0, 7.0, 7.0]  # 1 + 2 x (2 + 1) steps for every method
+    assert all(len(result.step_times_s) == 2 for result in results)
+    with pytest.raises(ValueError, match="--settle-steps must be >= 0"):
+        replace(config, settle_steps=-1)
+    assert harness.parse_args(["mlp", "--out", "x.json"]).settle_steps == harness.SETTLE_STEPS
+    assert harness.parse_args(["mlp", "--out", "x.json", "--settle-steps", "0"]).settle_steps == 0
 
 
 def test_harness_arguments_check_the_timing_and_the_methods_timed_alone():
@@ -354,6 +397,12 @@ def test_results_say_how_they_were_timed_and_older_files_read_as_sequential(tmp_
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
     assert ("1 warm-up and 3 timed steps after 2 profiled ones, the methods taking their warm-up and timed steps in "
             "turn (interleaved); single timed on its own first.") in page
+    settled = dataclasses.replace(run, settle_steps=1)
+    assert BenchRun.from_json(settled.to_json()) == settled
+    (results / "fixture.json").write_text(settled.to_json())
+    page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
+    assert ("the methods taking their warm-up and timed steps in turn (interleaved, each timed step right after an "
+            "untimed step of its own method); single timed on its own first.") in page
     (results / "fixture.json").write_text(json.dumps(older))
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
     assert "after 2 profiled ones, each method timed on its own, one after the other." in page

@@ -493,7 +493,9 @@ def _timing_words(run: BenchRun) -> str:
     if run.timing == "interleaved":
         alone = ("" if not run.timed_alone else f"; {run.timed_alone[0]} timed on its own first" if len(run.timed_alone) == 1
                  else f"; {', '.join(run.timed_alone)} each timed on its own first")
-        return f"the methods taking their warm-up and timed steps in turn (interleaved){alone}"
+        untimed = "an untimed step" if run.settle_steps == 1 else f"{run.settle_steps} untimed steps"
+        settle = f", each timed step right after {untimed} of its own method" if run.settle_steps else ""
+        return f"the methods taking their warm-up and timed steps in turn (interleaved{settle}){alone}"
     return "each method timed on its own, one after the other"
 
 
