@@ -263,7 +263,7 @@ def test_interleaved_timing_takes_one_step_of_each_method_a_round_rotating_the_o
     config = harness.HarnessConfig(model="mlp", methods=("ddp", "single", "zero3", "metadist-ilp"), steps=3, warmup=1,
                                    mesh_shape=(), batch_size=None, seq_len=None, optimizer="adamw", out="x.json",
                                    predict=False, timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0,
-                                   settle_steps=0)
+                                   turn_steps=1)
     ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     results = harness.measure_interleaved(config.methods, None, ctx, config)
 
@@ -309,7 +309,7 @@ def test_interleaved_rounds_are_added_until_they_span_min_timed_s_and_losses_sta
         method=item.method, status=STATUS_OK, step_times_s=tuple(item.times), final_loss=float(item.loss)))
     config = harness.HarnessConfig(model="mlp", methods=("ddp", "zero3"), steps=4, warmup=1, mesh_shape=(),
                                    batch_size=None, seq_len=None, optimizer="adamw", out="x.json", predict=False,
-                                   timeout_s=10.0, min_timed_s=0.4, settle_steps=0)
+                                   timeout_s=10.0, min_timed_s=0.4, turn_steps=1)
     ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     results = harness.measure_interleaved(config.methods, None, ctx, config)
     assert reduced == pytest.approx([0.08])  # 2 methods x 4 timed steps x 10 ms on this rank
@@ -323,10 +323,10 @@ def test_interleaved_rounds_are_added_until_they_span_min_timed_s_and_losses_sta
         replace(config, min_timed_s=-1.0)
 
 
-def test_a_timed_interleaved_step_follows_settle_steps_of_its_own_method_and_losses_compare_after_as_many(monkeypatch):
-    """In a timed round each method's turn is ``settle_steps`` untimed steps, then its timed step (a warm-up round: one
-    untimed step); a method timed on its own runs as many more untimed steps before its timed ones, so that every
-    method's final loss is taken after the same number of steps."""
+def test_a_timed_turn_is_consecutive_steps_after_one_barrier_and_losses_compare_after_as_many(monkeypatch):
+    """A timed turn is ``turn_steps`` steps after one barrier, its figure their mean; interleaved, a warm-up round's
+    turn is one untimed step; a method timed on its own takes the same turns, so every method's final loss is taken
+    after as many steps; rounds added for time's sake count a turn's whole span."""
     from dataclasses import replace
 
     from metadist.bench import harness
@@ -334,13 +334,23 @@ def test_a_timed_interleaved_step_follows_settle_steps_of_its_own_method_and_los
 
     calls: list[str] = []
     monkeypatch.setattr(harness.dist, "barrier", lambda: calls.append("barrier"))
+    reduced: list[float] = []
+
+    def all_reduce(tensor, op=None):
+        reduced.append(float(tensor))
+
+    monkeypatch.setattr(harness.dist, "all_reduce", all_reduce)
+    now = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])
 
     def built(method):
-        counter = iter(range(1, 10**6))
+        taken = [0]
 
         def step():
             calls.append(method)
-            return torch.tensor(float(next(counter)))
+            taken[0] += 1
+            now[0] += 0.01 * taken[0]  # a method's n-th step takes n x 10 ms, its loss n
+            return torch.tensor(float(taken[0]))
         return harness._Built(method, Prepared(method, step, (), (2,)), None, None, {}, {}, [])
 
     monkeypatch.setattr(harness, "build_method", lambda method, workload, ctx: built(method))
@@ -348,21 +358,29 @@ def test_a_timed_interleaved_step_follows_settle_steps_of_its_own_method_and_los
         method=item.method, status=STATUS_OK, step_times_s=tuple(item.times), final_loss=float(item.loss)))
     config = harness.HarnessConfig(model="mlp", methods=("single", "ddp", "zero3"), steps=2, warmup=1, mesh_shape=(),
                                    batch_size=None, seq_len=None, optimizer="adamw", out="x.json", predict=False,
-                                   timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0, settle_steps=2)
+                                   timeout_s=10.0, timed_alone=("single",), min_timed_s=0.0, turn_steps=3)
     ctx = type("Ctx", (), {"device": torch.device("cpu")})()
     results = harness.measure_interleaved(config.methods, None, ctx, config)
 
     alone, rounds = calls[:calls.index("ddp")], calls[calls.index("ddp"):]
-    assert alone == ["single"] * 5 + ["barrier", "single", "barrier", "single"]  # warm-up 1 + settle 2 x 2 steps first
+    assert alone == ["single"] + (["barrier"] + ["single"] * 3) * 2  # a warm-up step, then two turns of 3
     assert rounds == ["ddp", "zero3",  # the warm-up round
-                      "zero3", "zero3", "barrier", "zero3", "ddp", "ddp", "barrier", "ddp",  # two settle steps, timed
-                      "ddp", "ddp", "barrier", "ddp", "zero3", "zero3", "barrier", "zero3"]
-    assert [result.final_loss for result in results] == [7.0, 7.0, 7.0]  # 1 + 2 x (2 + 1) steps for every method
-    assert all(len(result.step_times_s) == 2 for result in results)
-    with pytest.raises(ValueError, match="--settle-steps must be >= 0"):
-        replace(config, settle_steps=-1)
-    assert harness.parse_args(["mlp", "--out", "x.json"]).settle_steps == harness.SETTLE_STEPS
-    assert harness.parse_args(["mlp", "--out", "x.json", "--settle-steps", "0"]).settle_steps == 0
+                      "barrier", "zero3", "zero3", "zero3", "barrier", "ddp", "ddp", "ddp",  # a turn each, rotated
+                      "barrier", "ddp", "ddp", "ddp", "barrier", "zero3", "zero3", "zero3"]
+    assert [result.final_loss for result in results] == [7.0, 7.0, 7.0]  # 1 + 2 turns x 3 steps for every method
+    # the n-th step takes n x 10 ms; after the warm-up step, the turns are steps 2-4 and 5-7: their means
+    assert all(result.step_times_s == pytest.approx((0.03, 0.06)) for result in results)
+    assert reduced == []  # min_timed_s 0: no turns added, no agreement needed
+    reduced.clear()
+    calls.clear()
+    results = harness.measure_interleaved(("ddp",), None, ctx, replace(config, methods=("ddp",), timed_alone=(),
+                                                                           min_timed_s=0.45))
+    assert reduced == pytest.approx([0.27])  # the span counts every step of the turns: 3 x (0.03 + 0.06)
+    assert len(results[0].step_times_s) == 4  # 2 turns spanned 0.27 s: 0.45 s takes ceil(2 x 0.45 / 0.27) = 4 turns
+    with pytest.raises(ValueError, match="--turn-steps must be >= 1"):
+        replace(config, turn_steps=0)
+    assert harness.parse_args(["mlp", "--out", "x.json"]).turn_steps == harness.TURN_STEPS
+    assert harness.parse_args(["mlp", "--out", "x.json", "--turn-steps", "1"]).turn_steps == 1
 
 
 def test_harness_arguments_check_the_timing_and_the_methods_timed_alone():
@@ -397,12 +415,12 @@ def test_results_say_how_they_were_timed_and_older_files_read_as_sequential(tmp_
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
     assert ("1 warm-up and 3 timed steps after 2 profiled ones, the methods taking their warm-up and timed steps in "
             "turn (interleaved); single timed on its own first.") in page
-    settled = dataclasses.replace(run, settle_steps=1)
-    assert BenchRun.from_json(settled.to_json()) == settled
-    (results / "fixture.json").write_text(settled.to_json())
+    turns = dataclasses.replace(run, turn_steps=4)
+    assert BenchRun.from_json(turns.to_json()) == turns
+    (results / "fixture.json").write_text(turns.to_json())
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
-    assert ("the methods taking their warm-up and timed steps in turn (interleaved, each timed step right after an "
-            "untimed step of its own method); single timed on its own first.") in page
+    assert ("1 warm-up and 3 timed turns of 4 steps (a turn's steps timed together after a barrier) after 2 profiled "
+            "ones, the methods taking their warm-up and timed steps in turn (interleaved)") in page
     (results / "fixture.json").write_text(json.dumps(older))
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
     assert "after 2 profiled ones, each method timed on its own, one after the other." in page
@@ -534,6 +552,9 @@ def test_the_suite_calibrates_right_before_each_entry(monkeypatch, tmp_path):
     outs = [argv[argv.index("--out") + 1].rsplit("/", 1)[-1] for argv in ran if "--out" in argv]
     assert outs == ["gpt-85m-2proc.json", "mlp-4proc.json", "gpt2-tiny-4proc.json", "gpt2-tiny-2proc-bf16.json",
                     "gpt2-tiny-2proc-recompute.json"]
+    turns = [argv[argv.index("--turn-steps") + 1] if "--turn-steps" in argv else None
+             for argv in ran if "--out" in argv]
+    assert turns == ["1", None, None, None, None]  # the leading entries' steps take seconds: one a turn
     ran.clear()
     assert suite.main(["--models", "gpt2-tiny-recompute,gpt2-tiny-4proc", "--skip-scale", "--docs", str(tmp_path)]) == 0
     assert [argv[argv.index("--out") + 1].rsplit("/", 1)[-1] for argv in ran if "--out" in argv] == [

@@ -16,12 +16,14 @@ Each method, as a recipe (the same for every method):
 4. the loss after the first ``steps`` timed steps, summed over the ranks' contributions, is the
    whole batch's loss.
 
+A timed step is a turn of ``--turn-steps`` consecutive steps (:data:`TURN_STEPS`) after a barrier, timed together:
+its time is the turn's span over its steps, as a training loop runs them back to back.
+
 ``--timing interleaved`` (the default) builds and profiles every method first and keeps them all; then each round
 gives every method a turn, the order rotated by one each round: a warm-up round's turn is one untimed step, a timed
-round's ``--settle-steps`` untimed steps (:data:`SETTLE_STEPS`), then the timed one, so that a timed step follows a
-step of its own method as in a training loop. A machine whose speed drifts over minutes (a shared CPU, a GPU's clocks)
-then slows every method alike, and their ratios hold; one after the other, a drift between two methods' turns showed
-as a 10-20 % difference between runs of the same code. The methods
+round's one timed turn. A machine whose speed drifts over minutes (a shared CPU, a GPU's clocks) then slows every
+method alike, and their ratios hold; one after the other, a drift between two methods' turns showed as a 10-20 %
+difference between runs of the same code. The methods
 are alive together, so the run needs the memory of all of them at once, except those named by ``--timed-alone``
 (the one-device reference by default, :data:`TIMED_ALONE`), each timed on its own first. The methods share their
 processes, and on CPU every method runs with glibc keeping freed host memory for reuse (``METADIST_HOST_HEAP``, set
@@ -29,9 +31,8 @@ for the process before the first method is built, as a compiled step sets it): t
 which ran without it before and touched fresh pages after every free. ``--timing sequential`` times each method
 right after its build and frees it before the next.
 
-Every method's final loss is taken after ``PROFILED_STEPS + warmup + (1 + settle_steps) steps`` steps from the same
-weights on the same global batch (a method timed on its own runs its settle steps before its timed ones; the steps
-added for time's sake come after it), so their final losses must agree with the
+Every method's final loss is taken after ``PROFILED_STEPS + warmup + turn_steps * steps`` steps from the same weights
+on the same global batch (the turns added for time's sake come after it), so their final losses must agree with the
 single-device one (relative tolerance :data:`.results.LOSS_RTOL`). Dropout is switched off (every dropout
 probability set to 0): with dropout on, each method draws different masks and the losses could not be compared.
 MetaDist compiles (capture, discovery, solve, lowering) outside the profiler, so its compile
@@ -84,12 +85,15 @@ of a tiny model spanned a fraction of a second, and the same program run as two 
 plan with and without overlap on mlp) came out 6.3 and 8.4 ms on one page, 8.5 and 7.1 on another."""
 MAX_TIMED_STEPS = 300
 """The most timed steps ``--min-timed-s`` adds up to."""
-SETTLE_STEPS = 1
-"""Default ``--settle-steps``: untimed steps of a method right before each of its timed steps in interleaved rounds,
-so that a timed step follows a step of its own method, as in a training loop, not the other methods' steps, which had
-left the caches holding their own tensors. On this project's 2-core machine (gpt2-tiny, 2 processes, batch 16 x 64)
-MetaDist's plan ran 22.2-24.4 ms a step and torch DDP 22.8-23.8 interleaved with three other methods one step a
-turn; with one settle step a turn, 19.9 and 19.4-20.0 (two runs each, minutes apart)."""
+TURN_STEPS = 4
+"""Default ``--turn-steps``: the consecutive steps of a timed turn, timed together after one barrier (a timed step's
+figure is the turn's span over them). One step a barrier is not what a training loop runs: on this project's 2-core
+machine, gpt2-tiny on 2 processes (batch 16 x 64, interleaved with three other methods) ran MetaDist's plan at
+22.2-24.4 ms a step and torch DDP at 22.8-23.8 timed one step after each barrier, 20.6 and 20.3 in turns of 4 (on 4
+processes sharing the 2 cores, llama-tiny's 21.5 and 26.7 one step a barrier, 20.5 and 26.6 in turns of 4). Steps
+without a barrier before each, but each timed on its own, are no loop's figure either: on 4 processes they came out up
+to 30 % slower than in turns, the slowest rank's time of each step counting the skew the ranks carry from step to
+step."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,9 +128,9 @@ class HarnessConfig:
     """With interleaved timing, the methods measured on their own first (and freed before the others are built)."""
     min_timed_s: float = MIN_TIMED_S
     """Timed steps are added after the first ``steps`` until they span about this many seconds (0: none added)."""
-    settle_steps: int = SETTLE_STEPS
-    """Untimed steps of a method before each of its timed steps in interleaved rounds; a method timed on its own runs
-    as many more untimed steps before its timed ones, so that every method's loss is compared after as many steps."""
+    turn_steps: int = TURN_STEPS
+    """Consecutive steps of a timed turn, timed together after one barrier: each timed step's figure is a turn's
+    mean."""
 
     def __post_init__(self) -> None:
         unknown = [method for method in self.methods if method not in ALL_METHODS]
@@ -139,8 +143,8 @@ class HarnessConfig:
             raise ValueError(f"--timed-alone names {stray}, which --methods does not run; name methods of --methods")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
-        if self.settle_steps < 0:
-            raise ValueError(f"--settle-steps must be >= 0, got {self.settle_steps}")
+        if self.turn_steps < 1:
+            raise ValueError(f"--turn-steps must be >= 1, got {self.turn_steps}")
         if not self.min_timed_s >= 0:
             raise ValueError(f"--min-timed-s must be >= 0 seconds, got {self.min_timed_s}")
 
@@ -168,9 +172,9 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
                         help=f"add timed steps until a method's (interleaved: a round's) span about this many seconds, "
                              f"at most {MAX_TIMED_STEPS} steps in all (default {MIN_TIMED_S:g}; 0: exactly --steps)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--settle-steps", type=int, default=SETTLE_STEPS,
-                        help=f"interleaved: untimed steps of a method right before each of its timed steps, so that it "
-                             f"follows its own step as in a training loop (default {SETTLE_STEPS}; 0: one step a turn)")
+    parser.add_argument("--turn-steps", type=int, default=TURN_STEPS,
+                        help=f"consecutive steps timed together after one barrier, each timed step's figure their mean "
+                             f"(default {TURN_STEPS}; 1: a barrier before every step)")
     parser.add_argument("--mesh", default="", help="DPxTP mesh for tp-dp and MetaDist, e.g. 2x2")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
@@ -200,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
         warmup=args.warmup, mesh_shape=parse_mesh(args.mesh), batch_size=args.batch_size, seq_len=args.seq_len,
         optimizer=args.optimizer, out=args.out, predict=not args.no_predict, timeout_s=args.timeout_s,
         cluster=args.cluster, timing=args.timing,
-        timed_alone=timed_alone, min_timed_s=args.min_timed_s, settle_steps=args.settle_steps,
+        timed_alone=timed_alone, min_timed_s=args.min_timed_s, turn_steps=args.turn_steps,
     )
 
 
@@ -313,12 +317,14 @@ class _Built:
     """The last profiled step's wire bytes by torch's flight recorder (:func:`_recorded_wire_bytes`)."""
 
 
-def _timed_step(built: _Built, ctx: RankContext) -> None:
+def _timed_step(built: _Built, ctx: RankContext, turn_steps: int) -> None:
+    """One timed turn: ``turn_steps`` consecutive steps after a barrier, their mean appended to the method's times."""
     dist.barrier()
     started = time.perf_counter()
-    built.loss = built.prepared.step()
+    for _ in range(turn_steps):
+        built.loss = built.prepared.step()
     _sync(ctx)
-    built.times.append(time.perf_counter() - started)
+    built.times.append((time.perf_counter() - started) / turn_steps)
 
 
 def build_method(method: str, workload: Workload, ctx: RankContext) -> _Built | MethodResult:
@@ -369,13 +375,13 @@ def measure_method(method: str, workload: Workload, ctx: RankContext, config: Ha
     built = build_method(method, workload, ctx)
     if isinstance(built, MethodResult):
         return built
-    for _ in range(config.warmup + config.settle_steps * config.steps):  # as many steps as interleaved turns take
+    for _ in range(config.warmup):
         built.loss = built.prepared.step()
     for _ in range(config.steps):
-        _timed_step(built, ctx)
+        _timed_step(built, ctx, config.turn_steps)
     compared = built.loss
-    for _ in range(timed_steps_to_add(sum(built.times), config, ctx)):
-        _timed_step(built, ctx)
+    for _ in range(timed_steps_to_add(sum(built.times) * config.turn_steps, config, ctx)):
+        _timed_step(built, ctx, config.turn_steps)
     built.loss = compared
     return finish_method(built, ctx)
 
@@ -423,10 +429,11 @@ def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankC
             alive.append(built)
     with phase("timed steps, interleaved"):
         first = config.warmup + config.steps
-        _rounds(alive, range(first), config.warmup, config.settle_steps, ctx)
+        _rounds(alive, range(first), config.warmup, config.turn_steps, ctx)
         compared = [built.loss for built in alive]
-        added = timed_steps_to_add(sum(sum(built.times) for built in alive), config, ctx) if alive else 0
-        _rounds(alive, range(first, first + added), config.warmup, config.settle_steps, ctx)
+        span = sum(sum(built.times) for built in alive) * config.turn_steps
+        added = timed_steps_to_add(span, config, ctx) if alive else 0
+        _rounds(alive, range(first, first + added), config.warmup, config.turn_steps, ctx)
         for built, loss in zip(alive, compared):
             built.loss = loss
     for built in alive:
@@ -434,19 +441,17 @@ def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankC
     return [results[method] for method in methods]
 
 
-def _rounds(alive: list[_Built], indices: range, warmup: int, settle_steps: int, ctx: RankContext) -> None:
+def _rounds(alive: list[_Built], indices: range, warmup: int, turn_steps: int, ctx: RankContext) -> None:
     """Rounds ``indices`` of the interleaved steps: a turn of every method in each, starting ``index`` methods on; a
-    round below ``warmup`` is a warm-up (one untimed step a turn, no barrier), a timed round's turn is
-    ``settle_steps`` untimed steps, then one timed step (:data:`SETTLE_STEPS`)."""
+    round below ``warmup`` is a warm-up (one untimed step a turn, no barrier), a timed round's turn is ``turn_steps``
+    steps timed together (:func:`_timed_step`)."""
     for index in indices:
         for turn in range(len(alive)):
             built = alive[(index + turn) % len(alive)]
             if index < warmup:
                 built.loss = built.prepared.step()
-                continue
-            for _ in range(settle_steps):
-                built.loss = built.prepared.step()
-            _timed_step(built, ctx)
+            else:
+                _timed_step(built, ctx, turn_steps)
 
 
 def _failed(method: str, err: BaseException) -> MethodResult:
@@ -534,7 +539,7 @@ def run(config: HarnessConfig, argv: list[str]) -> int:
         bench = BenchRun(
             model=workload.name or config.model, world_size=ctx.world_size, mesh_shape=tuple(ctx.mesh_shape),
             backend=dist.get_backend(), device=ctx.device.type, steps=config.steps, warmup=config.warmup,
-            min_timed_s=config.min_timed_s, settle_steps=config.settle_steps if config.timing == "interleaved" else 0,
+            min_timed_s=config.min_timed_s, turn_steps=config.turn_steps,
             timing=config.timing, timed_alone=config.timed_alone if config.timing == "interleaved" else (),
             batch_shapes={key: tuple(value.shape) for key, value in workload.batch.items()},
             params=sum(p.numel() for p in workload.model.parameters()), machine=machine_info(), versions=versions(),

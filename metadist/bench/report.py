@@ -480,22 +480,23 @@ def _load_lines(runs: Sequence[BenchRun]) -> list[str]:
 
 def _timed_words(run: BenchRun) -> str:
     """How many timed steps each method took: ``steps``, or the range its rows took where steps were added to span
-    ``min_timed_s`` (the losses compared after ``steps``)."""
+    ``min_timed_s`` (the losses compared after ``steps``); with turns of several steps, how many turns of how many."""
     counts = sorted({len(result.step_times_s) for result in run.methods if result.ok and result.step_times_s})
+    k = run.turn_steps
+    unit = "timed steps" if k == 1 else f"timed turns of {k} steps (a turn's steps timed together after a barrier)"
     if not run.min_timed_s or not counts or counts == [run.steps]:
-        return f"{run.steps} timed steps"
+        return f"{run.steps} {unit}"
     taken = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    return (f"{taken} timed steps (at least {run.steps}, more to span about {run.min_timed_s:g} s; losses compared "
-            f"after {run.steps})")
+    compared = run.steps if k == 1 else f"{run.steps} turns"
+    return (f"{taken} {unit} (at least {run.steps}, more to span about {run.min_timed_s:g} s; losses compared "
+            f"after {compared})")
 
 
 def _timing_words(run: BenchRun) -> str:
     if run.timing == "interleaved":
         alone = ("" if not run.timed_alone else f"; {run.timed_alone[0]} timed on its own first" if len(run.timed_alone) == 1
                  else f"; {', '.join(run.timed_alone)} each timed on its own first")
-        untimed = "an untimed step" if run.settle_steps == 1 else f"{run.settle_steps} untimed steps"
-        settle = f", each timed step right after {untimed} of its own method" if run.settle_steps else ""
-        return f"the methods taking their warm-up and timed steps in turn (interleaved{settle}){alone}"
+        return f"the methods taking their warm-up and timed steps in turn (interleaved){alone}"
     return "each method timed on its own, one after the other"
 
 

@@ -96,9 +96,9 @@ class BenchRun:
     """Timed steps were added after the first ``steps`` until they spanned about this many seconds (the harness's
     ``--min-timed-s``; 0: exactly ``steps``, what files without the field did). Each method's count is the length
     of its ``step_times_s``."""
-    settle_steps: int = 0
-    """With interleaved timing, the untimed steps of a method right before each of its timed steps (the harness's
-    ``--settle-steps``; 0: one step a turn, what files without the field did)."""
+    turn_steps: int = 1
+    """The consecutive steps of a timed turn, timed together after one barrier: each of ``step_times_s`` is a turn's
+    mean (the harness's ``--turn-steps``; 1: a barrier before every timed step, what files without the field did)."""
 
     def method(self, name: str) -> MethodResult | None:
         return next((result for result in self.methods if result.method == name), None)

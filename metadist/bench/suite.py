@@ -51,6 +51,8 @@ class SuiteEntry:
     tag: str = ""
     """What tells this entry's result file from another entry's of the same model and processes (its stem ends
     ``-TAG``)."""
+    turn_steps: int | None = None
+    """Consecutive steps of a timed turn (the harness's ``--turn-steps``; None: its default)."""
 
     @property
     def slug(self) -> str:
@@ -78,8 +80,10 @@ DEFAULT_ENTRIES = (
     # GPT-2 small's four distributed methods alive together took 20 of the machine's 24 GB: DDP and MetaDist, the
     # never-lose pair, are interleaved, the ZeRO stages timed on their own. 10 timed steps: single steps of one method
     # moved by +-15 % within a run, and 5-step medians of the same code by +-8 %
-    SuiteEntry("gpt2-small", "", nproc=2, steps=10, methods=LEADING_METHODS, batch=(4, 128), timed_alone="single,zero2,zero3"),
-    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=10, methods=LEADING_METHODS),
+    # Their steps take seconds: one a turn (a barrier's few milliseconds are lost in them, four would take 4x longer)
+    SuiteEntry("gpt2-small", "", nproc=2, steps=10, methods=LEADING_METHODS, batch=(4, 128),
+               timed_alone="single,zero2,zero3", turn_steps=1),
+    SuiteEntry("examples/gpt_85m.py", "", nproc=2, steps=10, methods=LEADING_METHODS, turn_steps=1),
     SuiteEntry("mlp", ""),
     SuiteEntry("gpt2-tiny", "2x2"),
     SuiteEntry("llama-tiny", "2x2"),
@@ -102,6 +106,7 @@ def harness_argv(entry: SuiteEntry, nproc: int, steps: int, out: Path) -> list[s
     argv += ["--methods", entry.methods] if entry.methods else []
     argv += ["--batch-size", str(entry.batch[0]), "--seq-len", str(entry.batch[1])] if entry.batch else []
     argv += ["--timed-alone", entry.timed_alone] if entry.timed_alone is not None else []
+    argv += ["--turn-steps", str(entry.turn_steps)] if entry.turn_steps is not None else []
     return argv + (["--mesh", mesh] if mesh else [])
 
 
