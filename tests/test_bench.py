@@ -419,8 +419,8 @@ def test_results_say_how_they_were_timed_and_older_files_read_as_sequential(tmp_
     assert BenchRun.from_json(turns.to_json()) == turns
     (results / "fixture.json").write_text(turns.to_json())
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
-    assert ("1 warm-up and 3 timed turns of 4 steps (a turn's steps timed together after a barrier) after 2 profiled "
-            "ones, the methods taking their warm-up and timed steps in turn (interleaved)") in page
+    assert ("1 warm-up and 3 timed turns of 4 steps after 2 profiled ones, the methods taking their warm-up and "
+            "timed steps in turn (interleaved)") in page
     (results / "fixture.json").write_text(json.dumps(older))
     page = write_report(results, tmp_path / "docs" / "benchmarks.md", commands=["make bench"]).read_text()
     assert "after 2 profiled ones, each method timed on its own, one after the other." in page

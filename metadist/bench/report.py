@@ -483,7 +483,7 @@ def _timed_words(run: BenchRun) -> str:
     ``min_timed_s`` (the losses compared after ``steps``); with turns of several steps, how many turns of how many."""
     counts = sorted({len(result.step_times_s) for result in run.methods if result.ok and result.step_times_s})
     k = run.turn_steps
-    unit = "timed steps" if k == 1 else f"timed turns of {k} steps (a turn's steps timed together after a barrier)"
+    unit = "timed steps" if k == 1 else f"timed turns of {k} steps"
     if not run.min_timed_s or not counts or counts == [run.steps]:
         return f"{run.steps} {unit}"
     taken = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
@@ -507,10 +507,12 @@ def _method_notes(run: BenchRun) -> str:
         "- One invocation runs every method on the same seeded model, the same global batch and the same processes. "
         "Dropout is off (all dropout probabilities 0), so every method computes the same function; final losses must "
         f"agree with the single-device loss to a relative {run.loss_rtol:.0e} (column *rel. diff*).",
-        "- *median ms*: the median over the timed steps of the slowest rank's step time (each step starts after a "
-        "barrier); *p25-p75*: its spread. *vs DDP*: median over DDP's median.",
+        "- *median ms*: the median over the timed steps of the slowest rank's step time; *p25-p75*: its spread. "
+        "*vs DDP*: median over DDP's median. A timed step is a turn of consecutive steps after a barrier, timed "
+        "together (`--turn-steps`; each section says how many): a training loop runs its steps back to back, and one "
+        "step after each barrier ran gpt2-tiny's steps on 2 processes 10-20 % slower.",
         "- *Interleaved* timing (the harness's default, `--timing interleaved`): every method is built and profiled "
-        "first and kept; then each round runs one step of every method in turn, the order rotated by one each round, "
+        "first and kept; then each round gives every method a turn, the order rotated by one each round, "
         "so a machine whose speed drifts over minutes slows every method alike and their ratios hold. The methods "
         "named by `--timed-alone` (by default *single*, the one-device reference and the largest in memory) are timed "
         "on their own first, so that those alive together fit in memory. The methods share their processes, and on CPU "
