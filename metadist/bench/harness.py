@@ -84,7 +84,7 @@ minute, and 4 processes sharing 2 cores make a step of a few milliseconds about 
 of a tiny model spanned a fraction of a second, and the same program run as two methods in the same rounds (the ILP
 plan with and without overlap on mlp) came out 6.3 and 8.4 ms on one page, 8.5 and 7.1 on another."""
 MAX_TIMED_STEPS = 300
-"""The most timed steps ``--min-timed-s`` adds up to."""
+"""The most timed steps (turns, :data:`TURN_STEPS`) ``--min-timed-s`` adds up to."""
 TURN_STEPS = 4
 """Default ``--turn-steps``: the consecutive steps of a timed turn, timed together after one barrier (a timed step's
 figure is the turn's span over them). One step a barrier is not what a training loop runs: on this project's 2-core
@@ -167,10 +167,11 @@ def parse_args(argv: list[str] | None = None) -> HarnessConfig:
     parser.add_argument("model")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated; default: all")
     parser.add_argument("--steps", type=int, default=10,
-                        help="timed steps per method, at least (the final losses are compared after this many)")
+                        help="timed turns (--turn-steps steps each) per method, at least (the final losses are "
+                             "compared after this many)")
     parser.add_argument("--min-timed-s", type=float, default=MIN_TIMED_S,
-                        help=f"add timed steps until a method's (interleaved: a round's) span about this many seconds, "
-                             f"at most {MAX_TIMED_STEPS} steps in all (default {MIN_TIMED_S:g}; 0: exactly --steps)")
+                        help=f"add timed turns until a method's (interleaved: a round's) span about this many seconds, "
+                             f"at most {MAX_TIMED_STEPS} in all (default {MIN_TIMED_S:g}; 0: exactly --steps)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--turn-steps", type=int, default=TURN_STEPS,
                         help=f"consecutive steps timed together after one barrier, each timed step's figure their mean "
