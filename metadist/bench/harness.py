@@ -23,13 +23,12 @@ its time is the turn's span over its steps, as a training loop runs them back to
 gives every method a turn, the order rotated by one each round: a warm-up round's turn is one untimed step, a timed
 round's one timed turn. A machine whose speed drifts over minutes (a shared CPU, a GPU's clocks) then slows every
 method alike, and their ratios hold; one after the other, a drift between two methods' turns showed as a 10-20 %
-difference between runs of the same code. The methods
-are alive together, so the run needs the memory of all of them at once, except those named by ``--timed-alone``
-(the one-device reference by default, :data:`TIMED_ALONE`), each timed on its own first. The methods share their
-processes, and on CPU every method runs with glibc keeping freed host memory for reuse (``METADIST_HOST_HEAP``, set
-for the process before the first method is built, as a compiled step sets it): the methods timed alone first too,
-which ran without it before and touched fresh pages after every free. ``--timing sequential`` times each method
-right after its build and frees it before the next.
+difference between runs of the same code. The methods are alive together, so the run needs the memory of all of them
+at once, except those named by ``--timed-alone`` (the one-device reference by default, :data:`TIMED_ALONE`), each
+timed on its own first. The methods share their processes, and on CPU every method runs with glibc keeping freed
+host memory for reuse (``METADIST_HOST_HEAP``, set for the process before the first method is built, as a compiled
+step sets it): the methods timed alone first too, which ran without it before and touched fresh pages after every
+free. ``--timing sequential`` times each method right after its build and frees it before the next.
 
 Every method's final loss is taken after ``PROFILED_STEPS + warmup + turn_steps * steps`` steps from the same weights
 on the same global batch (the turns added for time's sake come after it), so their final losses must agree with the
@@ -381,20 +380,21 @@ def measure_method(method: str, workload: Workload, ctx: RankContext, config: Ha
     for _ in range(config.steps):
         _timed_step(built, ctx, config.turn_steps)
     compared = built.loss
-    for _ in range(timed_steps_to_add(sum(built.times) * config.turn_steps, config, ctx)):
+    for _ in range(timed_steps_to_add(sum(built.times), config, ctx)):
         _timed_step(built, ctx, config.turn_steps)
     built.loss = compared
     return finish_method(built, ctx)
 
 
-def timed_steps_to_add(span_s: float, config: HarnessConfig, ctx: RankContext) -> int:
-    """Timed steps (or interleaved rounds) to add after the first ``config.steps``, which took ``span_s`` on this
-    rank, so that all of them span about ``config.min_timed_s``: the same on every rank (the slowest rank's span),
-    at most :data:`MAX_TIMED_STEPS` in all. A method's final loss stays the one after ``config.steps``, so that every
+def timed_steps_to_add(turn_times_s: float, config: HarnessConfig, ctx: RankContext) -> int:
+    """Timed turns (or interleaved rounds) to add after the first ``config.steps``, whose recorded figures (each a
+    turn's mean step) add up to ``turn_times_s`` on this rank, so that all of them span about ``config.min_timed_s``
+    (a turn spans ``config.turn_steps`` times its figure): the same on every rank (the slowest rank's span), at most
+    :data:`MAX_TIMED_STEPS` in all. A method's final loss stays the one after ``config.steps``, so that every
     method's is compared after as many steps whatever was added."""
     if config.min_timed_s <= 0:
         return 0
-    slowest = torch.tensor([span_s], dtype=torch.float64, device=ctx.device)
+    slowest = torch.tensor([turn_times_s * config.turn_steps], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return steps_for_span(float(slowest), config.steps, config.min_timed_s)
 
@@ -432,8 +432,7 @@ def measure_interleaved(methods: tuple[str, ...], workload: Workload, ctx: RankC
         first = config.warmup + config.steps
         _rounds(alive, range(first), config.warmup, config.turn_steps, ctx)
         compared = [built.loss for built in alive]
-        span = sum(sum(built.times) for built in alive) * config.turn_steps
-        added = timed_steps_to_add(span, config, ctx) if alive else 0
+        added = timed_steps_to_add(sum(sum(built.times) for built in alive), config, ctx) if alive else 0
         _rounds(alive, range(first, first + added), config.warmup, config.turn_steps, ctx)
         for built, loss in zip(alive, compared):
             built.loss = loss
