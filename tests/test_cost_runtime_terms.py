@@ -203,6 +203,12 @@ def test_torch_fsdp_and_tp_pay_the_dtensor_cost_of_each_op_they_run_on_dtensors(
     assert dtensor_seconds(measured, 0) == 0.0
     with pytest.raises(ValueError, match=">= 0"):
         dtensor_seconds(measured, -1)
+    with pytest.raises(ValueError, match=">= 0"):
+        dtensor_seconds(measured, 0, -1)
+    # a parallel module's ops: at the elementwise op's cost where the calibration did not time them, else their own
+    assert dtensor_seconds(measured, 10, 5) == pytest.approx(15 * 40e-6)
+    modules = replace(measured, device=replace(measured.device, dtensor_module_op_overhead_s=120e-6))
+    assert dtensor_seconds(modules, 10, 5) == pytest.approx(10 * 40e-6 + 5 * 120e-6)
 
 
 def test_torch_tp_is_priced_by_its_activation_all_reduces_and_fsdp_on_the_other_axis():
@@ -221,6 +227,12 @@ def test_torch_tp_is_priced_by_its_activation_all_reduces_and_fsdp_on_the_other_
     eager = torch_ddp_estimate(graph, flat, megatron.estimate, dp_plan=megatron)["compute_s"]  # the same eager compute
     assert priced["compute_s"] == pytest.approx(eager + 60 * 50e-6) and priced["dtensor_s"] == pytest.approx(60 * 50e-6)
     assert priced["step_s"] == pytest.approx(priced["compute_s"] + priced["comm_s"])
+    # the parallel modules' ops at their own calibrated cost, the optimizer's at the elementwise op's
+    moduled = replace(flat, device=replace(flat.device, dtensor_module_op_overhead_s=150e-6))
+    with_modules = torch_tp_estimate(graph, moduled, megatron.estimate, reduces, dtensor_ops=60, layout_plan=megatron,
+                                     module_ops=20)
+    assert with_modules["dtensor_s"] == pytest.approx(60 * 50e-6 + 20 * 150e-6)
+    assert with_modules["compute_s"] == pytest.approx(eager + 60 * 50e-6 + 20 * 150e-6)
     # 2-D (dp, tp): the all-reduces on tp's link, FSDP2's all-gather and reduce-scatter per unit on dp's
     square = _synced("cpu-gloo", Mesh((2, 2)), sync_s=1e-3, op_overhead_s=30e-6)
     square = replace(square, axis_links=(replace(square.link(0), sync_s=3e-3), square.link(1)))

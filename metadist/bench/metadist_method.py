@@ -333,8 +333,8 @@ def _torch_tp_priced(workload: Workload, ctx: RankContext, model: Any, graph: An
     batch = local_batch(workload.batch, ctx.mesh_shape[0], 0) if two_d else workload.batch
     counts = tensor_parallel_counts(workload, model, tp_plan, tp, batch, [*shard_units(model), model], with_fsdp=two_d)
     units = fsdp_unit_bytes(counts.local_units, ctx.mesh_shape[0]) if two_d else ()
-    return torch_tp_estimate(graph, cluster, plan.estimate, counts.activation_reduces,
-                             counts.module_dtensor_ops + counts.optimizer_dtensor_ops, units, layout_plan=plan)
+    return torch_tp_estimate(graph, cluster, plan.estimate, counts.activation_reduces, counts.optimizer_dtensor_ops,
+                             units, layout_plan=plan, module_ops=counts.module_dtensor_ops)
 
 
 def _cluster_over(mesh: Any, ctx: RankContext, api: Mapping[str, Any]) -> Any:

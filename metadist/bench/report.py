@@ -399,8 +399,9 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "its bytes, its copies and hooks included), at the eager per-node cost (result files older than that carry the solver's dp/ZeRO layouts' "
                   "estimates). torch's TP (tp, tp-dp) is priced as it runs too: one blocking all-reduce per row-wise "
                   "output and per column-wise input gradient, FSDP2 per unit on the data-parallel axis of tp-dp. FSDP2 "
-                  "and TP also pay the calibrated cost of each op they run on a DTensor (the optimizer's, and TP's "
-                  "parallel modules'; calibration version 13; older result files price the Megatron rows as the "
+                  "and TP also pay the calibrated cost of each op they run on a DTensor (the optimizer's, "
+                  "calibration version 13, and TP's parallel modules', each a linear's op timed on DTensors from "
+                  "version 32; older result files price the Megatron rows as the "
                   "solver's Megatron layout, with MetaDist's collectives). Where the calibration measured a call's "
                   "wait by the compute before it, MetaDist's calls wait by the compute their program runs before each, "
                   "torch's by the step's compute spread evenly between its calls.", "",

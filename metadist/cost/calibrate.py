@@ -276,6 +276,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         op_element_seconds={op: seconds * slowdown for op, seconds in _by_dtype(figures, "op_element_s:").items()},
         eager_op_overhead_s=eager_op_overhead(figures) * slowdown,
         dtensor_op_overhead_s=float(figures.get("dtensor_op_s", 0.0)) * slowdown,
+        dtensor_module_op_overhead_s=float(figures.get("dtensor_module_op_s", 0.0)) * slowdown,
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
         sustained_slowdown=slowdown,
@@ -538,7 +539,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, lau
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 31
+CALIBRATION_VERSION = 32
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -583,7 +584,10 @@ more than they move timed in bfloat16 and float16 too (``op_element_s:OP@DTYPE``
 float32 one); 31: each launch records the other work its machine ran meanwhile (``other_load_cores``) and one
 that other work contended is measured again (:data:`OTHER_LOAD_LIMIT_CORES`), and a figure's samples repeat the op
 as many times as the fastest of its first calls allows (:data:`.calibrate_worker.SETTLE_CALLS`): caches of older
-versions may hold figures taken on a busy machine. A cache of an older version is measured again, not read."""
+versions may hold figures taken on a busy machine; 32: what an op of a tensor-parallel linear's forward and backward
+costs on DTensors (``dtensor_module_op_s``, :func:`.calibrate_worker._dtensor_module_op_seconds`): torch's TP priced
+its modules' ops at an optimizer's elementwise op's cost, a third of what they ran. A cache of an older version is
+measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

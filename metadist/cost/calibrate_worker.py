@@ -25,6 +25,7 @@ metadist.cost.calibrate_worker --mesh 2x2 --out FILE``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import statistics
@@ -437,7 +438,7 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "captured_roofline_s", "eager_step_s", "in_step_collective_s",
                       "compute_phase_s", "in_step_collective_short_s", "compute_phase_short_s",
                       "in_step_collective_long_s", "compute_phase_long_s", "sustained_slowdown", "core_sharing",
-                      "dtensor_op_s"})
+                      "dtensor_op_s", "dtensor_module_op_s"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every key of :data:`_SECONDS_PREFIXES`;
 the others are rates (the smallest). Up to version 27 ``captured_roofline_s`` was taken for a rate; every rank computes
 it from the same (already reduced) rates, so the figure kept was the same."""
@@ -576,6 +577,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
       ``in_step_collective_long_s``: after a long one (:data:`IN_STEP_LONG_PHASE_OPS`), where ranks do not share cores.
     - ``dtensor_op_s``: what an op on a sharded DTensor costs beyond the same op on a plain tensor
       (:func:`_dtensor_op_seconds`), which torch's FSDP2 and tensor parallelism pay per op on their DTensor parameters.
+    - ``dtensor_module_op_s``: what an op of a tensor-parallel linear's forward and backward costs beyond the same
+      linear on plain tensors (:func:`_dtensor_module_op_seconds`).
     """
     import metadist
     from metadist.ir import Mesh
@@ -615,7 +618,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     step_s, eager_s = statistics.median(captured), statistics.median(eager)
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing(),
-               "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats)}
+               "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats),
+               "dtensor_module_op_s": _dtensor_module_op_seconds(world, repeats)}
     if world > 1:
         figures.update(_in_step_figures(world, repeats))
     return figures
@@ -696,6 +700,57 @@ def _dtensor_op_seconds(mesh, repeats: int) -> float:
             without.append(median_seconds(plain, 1))
     dist.barrier()
     return max(statistics.median(with_dtensor) - statistics.median(without), 0.0) / DTENSOR_OPS
+
+
+TP_PAIR_WIDTH = 32
+"""Width of :func:`_dtensor_module_op_seconds`'s pair of parallel linears (the inner one 4x as wide, as an MLP's)."""
+
+TP_PAIR_INPUT = (2, 8)
+"""Batch and sequence of the pair's input (a model's hidden states, as its parallel modules take them)."""
+
+
+def _dtensor_module_op_seconds(world: int, repeats: int) -> float:
+    """Seconds one op of a tensor-parallel module's forward and backward costs beyond the same module on plain tensors:
+    a column-wise linear and a row-wise one after it (torch's ``parallelize_module``, as an MLP's pair), run forward and
+    backward on a mesh axis of one rank, against the same two linears unsharded, over the ops the pair runs
+    (:func:`metadist.bench.torch_counts.module_ops`, as torch's TP is counted on a model). Timed one rank at a time, as
+    ``dtensor_op_s`` is. Such an op (a linear's matmul, its input wrapped and its output unwrapped, the backward's
+    redistributions) costs more than an optimizer's elementwise op on a DTensor: on this project's 2-core machine,
+    llama-tiny's and gpt2-tiny's parallel modules ran 41 us an op beyond their plain step on a 1x1 mesh, where
+    ``dtensor_op_s`` was 12. The collectives a wider axis adds are priced as calls, not here."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ..bench.torch_counts import module_ops
+
+    tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "tp"))["tp"]
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(TP_PAIR_WIDTH, 4 * TP_PAIR_WIDTH), nn.ReLU(), nn.Linear(4 * TP_PAIR_WIDTH, TP_PAIR_WIDTH))
+    parallel = parallelize_module(copy.deepcopy(plain), tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ops = module_ops(plain[0], (*TP_PAIR_INPUT, TP_PAIR_WIDTH), torch.float32, True) + \
+        module_ops(plain[2], (*TP_PAIR_INPUT, 4 * TP_PAIR_WIDTH), torch.float32, True)
+    x = torch.randn(*TP_PAIR_INPUT, TP_PAIR_WIDTH, requires_grad=True)
+
+    def forward_backward(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.grad = None  # as a training step's zero_grad leaves them
+        x.grad = None
+        model(x).sum().backward()
+
+    for _ in range(3):
+        forward_backward(parallel)
+        forward_backward(plain)
+    with_dtensor, without = [], []
+    for turn in range(world):  # one rank at a time, as ``dtensor_op_s``
+        dist.barrier()
+        if dist.get_rank() != turn:
+            continue
+        for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
+            with_dtensor.append(median_seconds(lambda: forward_backward(parallel), 1))
+            without.append(median_seconds(lambda: forward_backward(plain), 1))
+    dist.barrier()
+    return max(statistics.median(with_dtensor) - statistics.median(without), 0.0) / ops
 
 
 FSDP_UNIT_BYTES = (1 << 18, 1 << 25)

@@ -226,6 +226,11 @@ class Device:
     Python): torch's FSDP2 runs its optimizer's ops on DTensor parameters, its tensor parallelism its parallel
     modules' ops too. Measured by ``metadist calibrate`` on CPU (~14-45 us per op on this project's 2-core machine),
     0 (not measured) elsewhere. MetaDist's runtime runs plain tensors and does not pay it."""
+    dtensor_module_op_overhead_s: float = 0.0
+    """What one op of a tensor-parallel module's forward and backward (a column- or row-wise linear on DTensors)
+    costs beyond the same op on plain tensors: a linear's matmul on DTensors, its input wrapped and its output
+    unwrapped, costs ~3x an elementwise op's ``dtensor_op_overhead_s`` on CPU. Measured by ``metadist calibrate`` on
+    CPU (calibration version 32), 0 (not measured: such ops are priced at ``dtensor_op_overhead_s``) elsewhere."""
     matmul_seconds: tuple[tuple[MatmulKey, float], ...] = ()
     """Measured seconds of matmuls by local shape, as (``(dtype, layout, batch, m, k, n)``, seconds) pairs (``batch``
     0 for a plain matmul; ``layout`` as :attr:`matmul_curves`'s): a node whose local matmul is listed is priced at its
@@ -270,7 +275,7 @@ class Device:
                    *(v for _, v in pairs), *(v for _, v in bandwidths), *(v for _, v in streams),
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
-                or not self.dtensor_op_overhead_s >= 0 \
+                or not self.dtensor_op_overhead_s >= 0 or not self.dtensor_module_op_overhead_s >= 0 \
                 or not all(seconds >= 0 for _, seconds in (*elements, *matmuls, *attention)) \
                 or not self.sustained_slowdown >= 1:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "

@@ -289,16 +289,20 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
             "collectives_by_kind": calls, "cluster": cluster.name}
 
 
-def dtensor_seconds(cluster: Cluster, ops: int) -> float:
-    """What ``ops`` ops on DTensors cost beyond the same ops on plain tensors
-    (:attr:`metadist.cost.cluster.Device.dtensor_op_overhead_s`, 0 where the calibration did not measure it)."""
-    if ops < 0:
-        raise ValueError(f"a count of DTensor ops must be >= 0, got {ops}")
-    return ops * cluster.device.dtensor_op_overhead_s
+def dtensor_seconds(cluster: Cluster, ops: int, module_ops: int = 0) -> float:
+    """What ``ops`` elementwise ops on DTensors (an eager optimizer's) and ``module_ops`` ops of tensor-parallel
+    modules' forward and backward cost beyond the same ops on plain tensors
+    (:attr:`metadist.cost.cluster.Device.dtensor_op_overhead_s` and ``dtensor_module_op_overhead_s``, the module
+    ops at the first where the calibration did not measure the second; 0 where it measured neither)."""
+    if ops < 0 or module_ops < 0:
+        raise ValueError(f"a count of DTensor ops must be >= 0, got {ops} and {module_ops} module ops")
+    device = cluster.device
+    return ops * device.dtensor_op_overhead_s + module_ops * (device.dtensor_module_op_overhead_s or device.dtensor_op_overhead_s)
 
 
 def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, activation_reduces: Sequence[float],
-                      dtensor_ops: int, fsdp_unit_bytes: Sequence[float] = (), layout_plan: Plan | None = None) -> dict[str, Any]:
+                      dtensor_ops: int, fsdp_unit_bytes: Sequence[float] = (), layout_plan: Plan | None = None,
+                      module_ops: int = 0) -> dict[str, Any]:
     """The cost model's price of torch's Megatron-style tensor parallelism (``parallelize_module`` with column- and
     row-wise linears) on the LAST axis of ``cluster``'s mesh, with FSDP2 (ZeRO-2: parameters kept gathered after
     the forward) over the axis before it when the mesh is 2-D: not the solver's ``megatron`` layout, which MetaDist's
@@ -310,8 +314,8 @@ def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, acti
     before it, the step's calls spread evenly over its compute (:func:`spread_waits`). FSDP2's units
     (``fsdp_unit_bytes``, of the parameters as TP leaves them on a rank) are priced as :func:`torch_fsdp_estimate`
     prices them. Compute: the layout's (``layout_estimate``) at the eager per-node cost, random ops drawn per rank
-    (``layout_plan``), plus ``dtensor_ops`` ops on DTensors (the parallel modules' forward and backward, and the
-    eager optimizer's ops on the DTensor parameters, :func:`dtensor_seconds`). No overlap is assumed."""
+    (``layout_plan``), plus the ops on DTensors (:func:`dtensor_seconds`): ``module_ops`` of the parallel modules'
+    forward and backward, ``dtensor_ops`` of the eager optimizer on the DTensor parameters. No overlap is assumed."""
     from ..cost.comm import collective_seconds
 
     mesh = cluster.mesh
@@ -320,7 +324,7 @@ def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, acti
     if mesh.ndim == 1 and fsdp_unit_bytes:
         raise ValueError("torch_tp_estimate: FSDP units need a 2-D mesh (dp, tp)")
     tp_axis = mesh.ndim - 1
-    dtensor_s = dtensor_seconds(cluster, dtensor_ops)
+    dtensor_s = dtensor_seconds(cluster, dtensor_ops, module_ops)
     compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan) + dtensor_s
     bytes_by_axis = {name: 0.0 for name in mesh.axis_names}
     calls: dict[str, int] = {}
