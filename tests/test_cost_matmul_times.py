@@ -147,3 +147,30 @@ def test_a_matmul_is_timed_in_its_layout():
 
     for key in (("bfloat16", "", 0, 16, 8, 4), ("bfloat16", "nt", 0, 16, 8, 4), ("bfloat16", "tn", 2, 16, 8, 4)):
         assert 0 < time_matmul(key) < 1.0
+
+
+def test_a_matmul_is_timed_on_cycled_copies_of_its_operands_as_a_step_runs_it(monkeypatch):
+    """Each call reads the next of several operand pairs (their bytes at least the pool's, or the most pairs), never
+    the pair its last call left in the caches; every pair is in the timed layout."""
+    torch = pytest.importorskip("torch")
+    from metadist.cost import calibrate_worker, matmul_times
+
+    seen = []
+    real_mm = torch.mm
+
+    def fake_per_call(call, device, budget_s=0.004):
+        for _ in range(600):
+            call()
+        return 1e-3
+
+    monkeypatch.setattr(calibrate_worker, "_per_call_seconds", fake_per_call)
+    monkeypatch.setattr(torch, "mm", lambda a, b: seen.append((a, b)) or real_mm(a, b))
+    assert matmul_times.time_matmul(("bfloat16", "nt", 0, 64, 32, 16)) == 1e-3
+    pairs = {(a.data_ptr(), b.data_ptr()) for a, b in seen}
+    assert len(pairs) == matmul_times.COLD_POOL_PAIRS  # 6 KiB a pair: the pool stops at the most pairs
+    assert all(a.shape == (64, 32) and b.shape == (32, 16) and a.is_contiguous() and not b.is_contiguous()
+               for a, b in seen)
+    assert all(seen[i][0].data_ptr() != seen[i + 1][0].data_ptr() for i in range(len(seen) - 1))
+    seen.clear()
+    matmul_times.time_matmul(("float32", "", 0, 2048, 2048, 1))  # 16 MiB a pair: two pairs all the same, cycled
+    assert len({a.data_ptr() for a, _ in seen}) == 2 and len(seen) == 600

@@ -586,7 +586,9 @@ that other work contended is measured again (:data:`OTHER_LOAD_LIMIT_CORES`), an
 as many times as the fastest of its first calls allows (:data:`.calibrate_worker.SETTLE_CALLS`): caches of older
 versions may hold figures taken on a busy machine; 32: what an op of a tensor-parallel linear's forward and backward
 costs on DTensors (``dtensor_module_op_s``, :func:`.calibrate_worker._dtensor_module_op_seconds`): torch's TP priced
-its modules' ops at an optimizer's elementwise op's cost, a third of what they ran. A cache of an older version is
+its modules' ops at an optimizer's elementwise op's cost, a third of what they ran; and the narrow matmuls' times
+(their table's path holds the version) taken on cycled copies of their operands, not on one pair warm in the caches
+(:func:`.matmul_times.time_matmul`). A cache of an older version is
 measured again, not read."""
 
 

@@ -106,20 +106,47 @@ def _save_table(path: Path, table: dict[MatmulKey, float]) -> None:
     write_times(path, TABLE_FORMAT, TABLE_VERSION, table)
 
 
+COLD_POOL_BYTES = 16 << 20
+"""Bytes of the operand copies :func:`time_matmul` cycles through (at least two pairs, at most
+:data:`COLD_POOL_PAIRS`): a step's matmul reads operands that other ops wrote since its last call, not ones its own
+last call left in the core's caches (8x this project's machine's 2 MiB of L2 a core)."""
+
+COLD_POOL_PAIRS = 256
+"""The most operand pairs :func:`time_matmul` cycles through (a small matmul's pairs would fill the pool in the
+thousands)."""
+
+
 def time_matmul(key: MatmulKey) -> float:
-    """Median seconds of one call of the matmul ``key`` names, on the CPU, one thread (as each rank of a local run)."""
+    """Median seconds of one call of the matmul ``key`` names, on the CPU, one thread (as each rank of a local run),
+    each call on the next of several copies of its operands (:data:`COLD_POOL_BYTES`), as a step runs it.
+
+    Timed on one pair of operands, each call found them where its last call left them, in the core's caches:
+    gpt2-tiny's bfloat16 plan on 2 processes (batch 16 x 64) ran its matmuls at 1.95x and its ``addmm`` at 2.2x the
+    times so measured, inside its rank's program (up to calibration version 31); on cycled copies a ``[1000, 512] x [512,
+    64]`` with its first operand transposed took 1.2-1.5x its time on one pair."""
+    import itertools
+
     import torch
 
     from .calibrate_worker import _operand, _per_call_seconds
 
     dtype_name, layout, batch, m, k, n = key
     cpu, dtype, lead = torch.device("cpu"), getattr(torch, dtype_name), (batch,) if batch else ()
-    a, b = _operand(m, k, cpu, dtype, layout == "tn", lead), _operand(k, n, cpu, dtype, layout == "nt", lead)
+    pair_bytes = (m * k + k * n) * max(batch, 1) * torch.empty((), dtype=dtype).element_size()
+    count = max(2, min(COLD_POOL_PAIRS, -(-COLD_POOL_BYTES // pair_bytes)))
+    pairs = [(_operand(m, k, cpu, dtype, layout == "tn", lead), _operand(k, n, cpu, dtype, layout == "nt", lead))
+             for _ in range(count)]
+    cycle = itertools.cycle(pairs)
     op = torch.bmm if batch else torch.mm
+
+    def call() -> None:
+        a, b = next(cycle)
+        op(a, b)
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _per_call_seconds(lambda: op(a, b), cpu)
+        return _per_call_seconds(call, cpu)
     finally:
         torch.set_num_threads(threads)
 
