@@ -127,6 +127,28 @@ def test_calibrating_again_drops_the_timed_matmul_shapes(tmp_path, monkeypatch):
     assert main(["calibrate", "--nproc", "2", "--launches", "2"]) == 0 and told["launches"] == 2
 
 
+def test_calibrate_prints_the_dtensor_figures_it_measured(tmp_path, monkeypatch, capsys):
+    """torch's DTensor costs (an elementwise op's, a parallel linear's op's) are printed where measured, and only
+    those: an older report without the module figure does not print it as 0."""
+    import metadist.cost.calibrate as calibrate_module
+    from metadist.cli.main import main
+    from metadist.cost.calibrate import cluster_from_report
+
+    monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path))
+    for extra, printed in (({}, None), ({"dtensor_op_s": 12e-6}, "adds 12.0 us an elementwise op "),
+                           ({"dtensor_op_s": 12e-6, "dtensor_module_op_s": 35e-6},
+                            "adds 12.0 us an elementwise op, 35.0 us an op of a parallel linear ")):
+        report = {**REPORT, "device": {**REPORT["device"], **extra}}
+        monkeypatch.setattr(calibrate_module, "calibrate",
+                            lambda nproc, mesh, sizes, report=report, **options: (cluster_from_report(report, mesh), report))
+        assert main(["calibrate", "--nproc", "2"]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # rich wraps the line at the terminal's width
+        if printed is None:
+            assert "DTensor" not in out
+        else:
+            assert printed in out and ("parallel linear" in out) == ("dtensor_module_op_s" in extra)
+
+
 def _launch(device: dict, seconds: float, **other) -> dict:
     return {**REPORT, "world_size": 4, "mesh": [4], **other, "device": device,
             "measurements": [{"axis": 0, "group_size": 4, "op": "all_reduce", "bytes": 4096, "seconds": seconds},

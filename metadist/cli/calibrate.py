@@ -82,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{human_bytes(device.memory_bandwidth_bytes_per_s)}/s elementwise, {device.op_overhead_s * 1e6:.1f} us per node "
                   f"in the runtime ({device.eager_op_overhead_s * 1e6:.1f} us eager), "
                   f"{human_bytes(device.memory_capacity_bytes)} capacity", markup=False)
-    if device.dtensor_op_overhead_s or device.dtensor_module_op_overhead_s:
-        console.print(f"  torch's DTensor (FSDP2, TP) adds {device.dtensor_op_overhead_s * 1e6:.1f} us an elementwise op, "
-                      f"{device.dtensor_module_op_overhead_s * 1e6:.1f} us an op of a parallel linear", markup=False)
+    dtensor = [f"{seconds * 1e6:.1f} us {what}" for seconds, what in
+               ((device.dtensor_op_overhead_s, "an elementwise op"),
+                (device.dtensor_module_op_overhead_s, "an op of a parallel linear")) if seconds > 0]
+    if dtensor:
+        console.print(f"  torch's DTensor (FSDP2, TP) adds {', '.join(dtensor)}", markup=False)
     if device.sustained_slowdown > 1:
         console.print(f"  over a step the processes computed {device.sustained_slowdown:.2f}x slower than in short timed "
                       "calls (they share cores): the figures above include it", markup=False)
