@@ -686,20 +686,26 @@ def _dtensor_op_seconds(mesh, repeats: int) -> float:
         denominator.add_(1e-8)
         x.addcdiv_(y, denominator, value=-1e-6)
 
-    dtensor, plain = (lambda: mix(*pieces)), (lambda: mix(*locals_))
+    return _extra_seconds_alone(lambda: mix(*pieces), lambda: mix(*locals_), repeats) / DTENSOR_OPS
+
+
+def _extra_seconds_alone(costly, plain, repeats: int) -> float:
+    """What a call of ``costly()`` takes beyond one of ``plain()`` (0 at least): the difference of their medians,
+    each called ``2 * repeats`` times, interleaved, after three untimed calls, timed one rank at a time as the eager
+    step is (the slowdown prices the sharing once). Every rank calls it (it holds barriers)."""
     for _ in range(3):
-        dtensor()
+        costly()
         plain()
-    with_dtensor, without = [], []
-    for turn in range(world):  # one rank at a time, as the eager step: the slowdown prices the sharing once
+    with_cost, without = [], []
+    for turn in range(dist.get_world_size()):
         dist.barrier()
         if dist.get_rank() != turn:
             continue
         for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
-            with_dtensor.append(median_seconds(dtensor, 1))
+            with_cost.append(median_seconds(costly, 1))
             without.append(median_seconds(plain, 1))
     dist.barrier()
-    return max(statistics.median(with_dtensor) - statistics.median(without), 0.0) / DTENSOR_OPS
+    return max(statistics.median(with_cost) - statistics.median(without), 0.0)
 
 
 TP_PAIR_WIDTH = 32
@@ -738,19 +744,7 @@ def _dtensor_module_op_seconds(world: int, repeats: int) -> float:
         x.grad = None
         model(x).sum().backward()
 
-    for _ in range(3):
-        forward_backward(parallel)
-        forward_backward(plain)
-    with_dtensor, without = [], []
-    for turn in range(world):  # one rank at a time, as ``dtensor_op_s``
-        dist.barrier()
-        if dist.get_rank() != turn:
-            continue
-        for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits both alike
-            with_dtensor.append(median_seconds(lambda: forward_backward(parallel), 1))
-            without.append(median_seconds(lambda: forward_backward(plain), 1))
-    dist.barrier()
-    return max(statistics.median(with_dtensor) - statistics.median(without), 0.0) / ops
+    return _extra_seconds_alone(lambda: forward_backward(parallel), lambda: forward_backward(plain), repeats) / ops
 
 
 FSDP_UNIT_BYTES = (1 << 18, 1 << 25)

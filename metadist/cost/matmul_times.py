@@ -132,7 +132,7 @@ def time_matmul(key: MatmulKey) -> float:
 
     dtype_name, layout, batch, m, k, n = key
     cpu, dtype, lead = torch.device("cpu"), getattr(torch, dtype_name), (batch,) if batch else ()
-    pair_bytes = (m * k + k * n) * max(batch, 1) * torch.empty((), dtype=dtype).element_size()
+    pair_bytes = (m * k + k * n) * max(batch, 1) * dtype.itemsize
     count = max(2, min(COLD_POOL_PAIRS, -(-COLD_POOL_BYTES // pair_bytes)))
     pairs = [(_operand(m, k, cpu, dtype, layout == "tn", lead), _operand(k, n, cpu, dtype, layout == "nt", lead))
              for _ in range(count)]
