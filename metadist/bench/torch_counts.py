@@ -7,36 +7,22 @@ parallel module's forward and backward), and torch's TP all-reduces activations 
 modules.
 These counts come from the model and optimizer themselves, run where nothing is timed: the optimizer's ops on meta
 copies of the parameters, a parallel module's forward and backward on a meta copy, and one forward of the model with
-hooks for the shapes of the parallel modules' inputs and outputs.
+hooks for the shapes of the parallel modules' inputs and outputs. What counts as an op is one definition
+(:mod:`metadist.cost.op_counts`), shared with the calibration that prices it.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..cost.op_counts import MetaOpCounter, module_ops
 from ..workload import Workload
 
-
-class _MetaOps(TorchDispatchMode):
-    """Counts the aten ops that read or write a meta tensor (the ops on the counted tensors, not on a CPU step
-    counter or the profiler's records)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        if any(isinstance(leaf, torch.Tensor) and leaf.device.type == "meta" for leaf in leaves):
-            self.count += 1
-        return func(*args, **kwargs)
+__all__ = ["TensorParallelCounts", "eager_optimizer_ops", "module_ops", "tensor_parallel_counts"]
 
 
 def eager_optimizer_ops(workload: Workload, parameters: Iterable[torch.Tensor]) -> int:
@@ -51,24 +37,10 @@ def eager_optimizer_ops(workload: Workload, parameters: Iterable[torch.Tensor]) 
         p.grad = torch.zeros_like(p)
     optimizer = workload.optimizer(copies)
     optimizer.step()
-    counter = _MetaOps()
+    counter = MetaOpCounter()
     with counter:
         optimizer.step()
     return counter.count
-
-
-def module_ops(module: nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype, input_requires_grad: bool) -> int:
-    """The ops of ``module``'s forward and backward on an input of ``input_shape`` (meta copies; the backward seeded
-    with a gradient of the output's shape, its parameters' gradients accumulated)."""
-    meta = copy.deepcopy(module).to("meta")
-    x = torch.empty(input_shape, dtype=dtype, device="meta", requires_grad=input_requires_grad)
-    counter = _MetaOps()
-    with counter:
-        y = meta(x)
-        seed = torch.empty_like(y)
-    with counter:
-        y.backward(seed)
-    return counter.count - 1  # the seed's allocation is not the module's
 
 
 @dataclass(frozen=True)

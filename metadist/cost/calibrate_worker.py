@@ -719,7 +719,7 @@ def _dtensor_module_op_seconds(world: int, repeats: int) -> float:
     """Seconds one op of a tensor-parallel module's forward and backward costs beyond the same module on plain tensors:
     a column-wise linear and a row-wise one after it (torch's ``parallelize_module``, as an MLP's pair), run forward and
     backward on a mesh axis of one rank, against the same two linears unsharded, over the ops the pair runs
-    (:func:`metadist.bench.torch_counts.module_ops`, as torch's TP is counted on a model). Timed one rank at a time, as
+    (:func:`.op_counts.module_ops`, as torch's TP is counted on a model). Timed one rank at a time, as
     ``dtensor_op_s`` is. Such an op (a linear's matmul, its input wrapped and its output unwrapped, the backward's
     redistributions) costs more than an optimizer's elementwise op on a DTensor: on this project's 2-core machine,
     llama-tiny's and gpt2-tiny's parallel modules ran 41 us an op beyond their plain step on a 1x1 mesh, where
@@ -728,7 +728,7 @@ def _dtensor_module_op_seconds(world: int, repeats: int) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from ..bench.torch_counts import module_ops
+    from .op_counts import module_ops
 
     tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "tp"))["tp"]
     torch.manual_seed(0)
