@@ -13,8 +13,9 @@ So a step planned on this machine's calibrated cluster times each matmul it may 
 local shape (:func:`matmul_keys`: every split of its dims over the mesh axes, as the largest piece's shape), in its
 layout, one thread, one process at a time, and the cost model prices such a node at its measured seconds
 (:meth:`~.cluster.Device.measured_matmul_s`) times the calibration's sustained slowdown. The times are cached per
-machine and torch version beside the calibration (:func:`table_path`) and only missing shapes are timed: gpt2-tiny's
-on 2x2 take ~6 s once. A matmul whose curve price exceeds :data:`LONGEST_TIMED_S`, or any past
+machine and torch version beside the calibration (:func:`table_path`) and only missing shapes are timed: on the
+bench page of 2026-12-07 (operands cycled, :data:`COLD_POOL_BYTES`) the first bfloat16 plan timed gpt2-tiny's on 2x2
+in 4.1 s, mixtral-mini's in 8.3, once. A matmul whose curve price exceeds :data:`LONGEST_TIMED_S`, or any past
 :data:`TIMING_BUDGET_S` of timing in one call, keeps its curve price (the log says how many).
 """
 
