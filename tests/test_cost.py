@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -370,6 +371,23 @@ def test_the_sustained_slowdown_keeps_the_fastest_long_stretch_over_the_median_b
     assert _slowdown_of(bursts, [1.9e-6, 1.8e-6, 2.6e-6]) == pytest.approx(1.8)
     with pytest.raises(ValueError, match="at least one"):
         _slowdown_of(bursts, [])
+
+
+def test_an_in_step_wait_is_priced_at_its_samples_mean_less_the_largest_few():
+    """Version 33: a step pays the sum of its calls' waits. Bimodal waits (most calls find the partner ready, some find
+    it descheduled for a tick) have a median in either mode by chance; their mean holds both."""
+    pytest.importorskip("torch")
+    from metadist.cost.calibrate_worker import WAIT_TRIM, expected_wait
+
+    fast, slow = [0.3e-3] * 26, [3.5e-3] * 14
+    hiccup = [60e-3, 70e-3]  # the largest 5 % of 40 + 2: a hiccup the step's median leaves out too
+    assert WAIT_TRIM == pytest.approx(0.05)
+    assert expected_wait(fast + slow + hiccup) == pytest.approx((26 * 0.3e-3 + 14 * 3.5e-3) / 40)
+    # the median sits in the fast mode here, and one sample more in the slow one moves it there
+    assert statistics.median(fast + slow) == pytest.approx(0.3e-3)
+    assert expected_wait([2e-3]) == pytest.approx(2e-3)  # nothing to leave out of fewer than 20
+    with pytest.raises(ValueError, match="at least one sample"):
+        expected_wait([])
 
 
 def test_fsdp2s_units_are_timed_over_every_group_size_a_mesh_axis_of_the_processes_can_have():

@@ -539,7 +539,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, lau
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 32
+CALIBRATION_VERSION = 33
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -588,7 +588,9 @@ versions may hold figures taken on a busy machine; 32: what an op of a tensor-pa
 costs on DTensors (``dtensor_module_op_s``, :func:`.calibrate_worker._dtensor_module_op_seconds`): torch's TP priced
 its modules' ops at an optimizer's elementwise op's cost, a third of what they ran; and the narrow matmuls' times
 (their table's path holds the version) taken on cycled copies of their operands, not on one pair warm in the caches
-(:func:`.matmul_times.time_matmul`). A cache of an older version is
+(:func:`.matmul_times.time_matmul`); 33: an in-step call's wait priced at its samples' mean (less the largest 5 %), not
+their median (:func:`.calibrate_worker.expected_wait`: on 2 processes the waits are bimodal, and their median flipped
+between the modes from one calibration to the next). A cache of an older version is
 measured again, not read."""
 
 
