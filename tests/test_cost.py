@@ -379,13 +379,15 @@ def test_an_in_step_wait_is_priced_at_its_samples_mean_less_the_largest_few():
     pytest.importorskip("torch")
     from metadist.cost.calibrate_worker import WAIT_TRIM, expected_wait
 
-    fast, slow = [0.3e-3] * 26, [3.5e-3] * 14
-    hiccup = [60e-3, 70e-3]  # the largest 5 % of 40 + 2: a hiccup the step's median leaves out too
+    fast, slow = [0.3e-3] * 22, [3.5e-3] * 18
+    hiccup = [60e-3, 70e-3, 80e-3]  # the largest 5 % of 43, rounded up: a hiccup the step's median leaves out too
     assert WAIT_TRIM == pytest.approx(0.05)
-    assert expected_wait(fast + slow + hiccup) == pytest.approx((26 * 0.3e-3 + 14 * 3.5e-3) / 40)
-    # the median sits in the fast mode here, and one sample more in the slow one moves it there
+    assert expected_wait(fast + slow + hiccup) == pytest.approx((22 * 0.3e-3 + 18 * 3.5e-3) / 40)
+    # the median sits in the fast mode here, and 5 samples more in the slow one move it there
     assert statistics.median(fast + slow) == pytest.approx(0.3e-3)
-    assert expected_wait([2e-3]) == pytest.approx(2e-3)  # nothing to leave out of fewer than 20
+    assert statistics.median(fast + slow + [3.5e-3] * 5) == pytest.approx(3.5e-3)
+    assert expected_wait([1e-3, 2e-3, 9e-3]) == pytest.approx(1.5e-3)  # one of 3 left out
+    assert expected_wait([2e-3]) == pytest.approx(2e-3)  # the only sample is kept
     with pytest.raises(ValueError, match="at least one sample"):
         expected_wait([])
 

@@ -590,7 +590,7 @@ its modules' ops at an optimizer's elementwise op's cost, a third of what they r
 (their table's path holds the version) taken on cycled copies of their operands, not on one pair warm in the caches
 (:func:`.matmul_times.time_matmul`); 33: an in-step call's wait priced at its samples' mean (less the largest 5 %), not
 their median (:func:`.calibrate_worker.expected_wait`: on 2 processes the waits are bimodal, and their median flipped
-between the modes from one calibration to the next). A cache of an older version is
+between the modes from one calibration to the next), and FSDP2's small units' steps likewise. A cache of an older version is
 measured again, not read."""
 
 

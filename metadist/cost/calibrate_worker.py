@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 import statistics
 import time
 from typing import Any
@@ -661,13 +662,16 @@ def _in_step_figures(world: int, repeats: int) -> dict[str, float]:
 
 
 WAIT_TRIM = 0.05
-"""Share of the largest in-step waits :func:`expected_wait` leaves out (a hiccup of the machine that a step's median
-leaves out too)."""
+"""Share of the largest samples :func:`expected_wait` leaves out, rounded up (a hiccup of the machine that a step's
+median leaves out too)."""
 
 
 def expected_wait(samples: list[float]) -> float:
     """What one in-step call waits on average: the mean of ``samples`` less their largest :data:`WAIT_TRIM` (version
-    33; the median before). A step pays the sum of its calls' waits, and that sum goes by their mean.
+    33; the median before). A step pays the sum of its calls' waits, and that sum goes by their mean. The same holds
+    for FSDP2's small units (:func:`_fsdp_unit_seconds`), whose chain steps were bimodal too (2 processes, 256 KiB:
+    ZeRO-2 steps of 8.5-9.8 ms or 12-20, the median's figure 2.2-3.9 ms a unit over three probes, the mean's
+    2.5-3.6).
 
     Where every rank has a core, the waits are bimodal: on this project's 2-core machine (2 processes, a 2 ms phase)
     about two thirds of the samples took 0.2-0.6 ms and the rest 2-5 ms, a scheduler tick of another process taking the
@@ -677,8 +681,8 @@ def expected_wait(samples: list[float]) -> float:
     waits spread over one broad mode, the mean 1.1-1.3x the median."""
     if not samples:
         raise ValueError("expected_wait needs at least one sample")
-    kept = sorted(samples)[:len(samples) - int(len(samples) * WAIT_TRIM)]
-    return statistics.fmean(kept)
+    left_out = min(math.ceil(len(samples) * WAIT_TRIM), len(samples) - 1)
+    return statistics.fmean(sorted(samples)[:len(samples) - left_out])
 
 
 DTENSOR_OPS = 8
@@ -816,7 +820,8 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
     over the units. ``size``: the ranks each chain is sharded over, all of them or groups of ``size`` consecutive
     ranks, every group at once (keys ``fsdp_unit_s:VARIANT:BYTES:SIZE``; version 27), as FSDP2 runs over one axis of
     a 2-D mesh under tensor parallelism. Each size's chains take turns, a step each, ``repeats`` rounds: the median
-    step of each is kept; from :data:`FSDP_LARGE_BYTES` on, the fastest of :data:`FSDP_LARGE_ROUNDS` (version 30).
+    step's mean less the slowest (:func:`expected_wait`, version 33; the median before) is kept; from
+    :data:`FSDP_LARGE_BYTES` on, the fastest of :data:`FSDP_LARGE_ROUNDS` (version 30).
 
     That is FSDP2 as it runs on this backend inside a step, not its collectives alone: the all-gather's copy-in into a
     fresh flat buffer and copy-out into the unsharded parameters, overlapped with the unit before; the reduce-scatter's
@@ -871,7 +876,7 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
             for name, model in runs.items():
                 dist.barrier()
                 samples[name].append(median_seconds(lambda: step(model), 1))
-        kept = min if large else statistics.median  # see FSDP_LARGE_ROUNDS
+        kept = min if large else expected_wait  # see FSDP_LARGE_ROUNDS
         plain = kept(samples["plain"])
         for variant in ("zero2", "zero3"):
             extra = max(kept(samples[variant]) - plain, 0.0) / FSDP_UNITS
