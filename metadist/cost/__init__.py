@@ -1,7 +1,7 @@
 """The cost model: compute (roofline), communication (alpha-beta collectives), memory (liveness).
 
-Framework-free: imports neither torch nor jax (the calibration worker, run by torchrun, is
-the one exception and is never imported from here).
+Framework-free: imports neither torch nor jax (the calibration worker, run by torchrun, and the
+op counter it shares with the bench, ``op_counts``, are the exceptions and are never imported from here).
 """
 
 from .cluster import (

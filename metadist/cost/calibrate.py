@@ -563,7 +563,7 @@ in-step all-reduce timed after a compute phase of about a scheduler turn (3 ms, 
 computing while a step's collective runs; :data:`.calibrate_worker.IN_STEP_PHASE_OPS`); 18: the in-step all-reduce
 timed after the short phase too, so that a call that follows another soon is priced at the short wait
 (:attr:`.cluster.Link.sync_by_gap`); 19: each in-step figure's samples taken in three rounds over all of them
-(:data:`.calibrate_worker.IN_STEP_ROUNDS`: a pair's figure timed in one stretch moved 2x between stretches); 20: a
+(:class:`.calibrate_worker._InStepSampler`: a pair's figure timed in one stretch moved 2x between stretches); 20: a
 change tried and reverted (roofline timed one process at a time), whose caches are not read; 21: the in-step
 all-reduce timed after a long compute phase too where every rank has a core (:data:`.calibrate_worker.
 IN_STEP_LONG_PHASE_OPS`, a third point of :attr:`.cluster.Link.sync_by_gap`), and the sustained slowdown taken from the
@@ -590,7 +590,8 @@ its modules' ops at an optimizer's elementwise op's cost, a third of what they r
 (their table's path holds the version) taken on cycled copies of their operands, not on one pair warm in the caches
 (:func:`.matmul_times.time_matmul`); 33: an in-step call's wait priced at its samples' mean (less the largest 5 %), not
 their median (:func:`.calibrate_worker.expected_wait`: on 2 processes the waits are bimodal, and their median flipped
-between the modes from one calibration to the next), and FSDP2's small units' steps likewise. A cache of an older version is
+between the modes from one calibration to the next), and FSDP2's small units' steps likewise; the in-step rounds run
+at three points of the worker's run, not back to back at its end (:class:`.calibrate_worker._InStepSampler`). A cache of an older version is
 measured again, not read."""
 
 

@@ -1,4 +1,4 @@
-"""One rank of ``metadist calibrate`` (launched by torchrun; the only torch code under ``cost``).
+"""One rank of ``metadist calibrate`` (launched by torchrun; with :mod:`.op_counts`, the torch code under ``cost``).
 
 Every rank times all-reduce, all-gather, reduce-scatter and all-to-all over each mesh axis's
 process groups for several message sizes, up to 32 MiB (gloo on CPU, NCCL with CUDA). On CPU the ranks keep freed
@@ -12,7 +12,7 @@ slowest rank's figures are kept. Two figures are measured through the runtime it
 ``metadist.compile`` with every rank running the whole step) timed on every rank at once gives the
 seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
 runtime's collectives between two compute phases gives what a collective costs where a step runs
-it (the wait for the slower peer included), and a mix of elementwise ops on a sharded DTensor against the same ops
+it (the wait for the slower peer included; :class:`_InStepSampler`), and a mix of elementwise ops on a sharded DTensor against the same ops
 on its local tensor gives what torch's DTensor adds per op, and a chain of four linear units under torch's
 ``fully_shard`` against the same chain unsharded gives what FSDP2 adds per unit (:func:`_fsdp_unit_seconds`). Last,
 the same op mix timed in short bursts and in a
@@ -570,12 +570,6 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
       row put MetaDist's runtime at 13.0, 10.9 and 23.5 us a node, one in the bench 76), and the sustained slowdown
       was then applied on top of samples that had already seen the contention. Alone, the figures are a rank's on a
       free core, as the other short calls' are, and the contention is applied once, by the slowdown.
-    - ``compute_phase_s``, ``in_step_collective_s``: a phase of tiny ops alone, and the same phase followed by a
-      4 KiB all-reduce issued through the runtime's :class:`~metadist.runtime.collectives.Collectives` and waited
-      for, as a plan's mid-step collective runs; the difference is what one such collective costs inside a step.
-      ``compute_phase_short_s``, ``in_step_collective_short_s``: the same after a short phase
-      (:data:`IN_STEP_SHORT_PHASE_OPS`), a call that follows another soon; ``compute_phase_long_s``,
-      ``in_step_collective_long_s``: after a long one (:data:`IN_STEP_LONG_PHASE_OPS`), where ranks do not share cores.
     - ``dtensor_op_s``: what an op on a sharded DTensor costs beyond the same op on a plain tensor
       (:func:`_dtensor_op_seconds`), which torch's FSDP2 and tensor parallelism pay per op on their DTensor parameters.
     - ``dtensor_module_op_s``: what an op of a tensor-parallel linear's forward and backward costs beyond the same
@@ -621,44 +615,54 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing(),
                "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats),
                "dtensor_module_op_s": _dtensor_module_op_seconds(world, repeats)}
-    if world > 1:
-        figures.update(_in_step_figures(world, repeats))
     return figures
 
 
-IN_STEP_ROUNDS = 3
-"""Rounds of the in-step all-reduce's timings (:func:`_in_step_figures`): every figure takes ``repeats`` samples in
-each, so its samples span the whole measurement, not one stretch of it."""
+IN_STEP_REPEATS = 15
+"""Samples of each in-step figure a round (a third as many for the long phase, :func:`_in_step_phases`)."""
 
 
-def _in_step_figures(world: int, repeats: int) -> dict[str, float]:
+
+class _InStepSampler:
     """``compute_phase_s``, ``in_step_collective_s`` and their ``_short`` twins (and ``_long`` where the ranks do not
     share cores, :func:`_in_step_phases`) among all the processes, and ``in_step_collective_s:SIZE`` and its twins
-    between groups of each smaller size (all groups at once): of samples taken in :data:`IN_STEP_ROUNDS`
-    rounds over every figure in turn; the waits' mean (:func:`expected_wait`), the phases' median.
+    between groups of each smaller size (all groups at once): of samples taken in rounds over every figure in turn
+    (:meth:`round`), which the worker runs at three points of its work (version 33; three back to back at its end
+    before), so that a figure's samples span the whole calibration, not one stretch of it; the waits' mean
+    (:func:`expected_wait`), the phases' median (:meth:`figures`).
 
     On 4 processes sharing 2 cores, a pair's figure timed in one stretch moved 2x between three stretches of one
     launch (after the short phase 0.9, 1.9 and 1.6 ms; after the long one 4.1, 6.5 and 7.4): which processes share a
-    core changes as the scheduler moves them, and a step meets every such turn."""
-    from torch.distributed.device_mesh import init_device_mesh
+    core changes as the scheduler moves them, and a step meets every such turn. On 2 processes, with the three rounds
+    back to back, the wait after the 2 ms phase came to 1.45, 1.30 and 0.48 ms in three calibrations a minute apart
+    (each the mean of 45 samples): how often other work takes a core from one of the processes changes over seconds."""
 
-    from metadist.runtime.collectives import Collectives
+    def __init__(self, world: int, repeats: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
 
-    timed = [(Collectives.from_device_mesh(_world_mesh(world)), 0, "")]
-    timed += [(Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size))), 1, f":{size}")
-              for size in _group_sizes(world, [world])]
-    # every rank times the same phases, whatever its host's cores
-    phases = _in_step_phases(_any_rank(core_sharing() > 1, torch.device("cpu")), repeats)
-    samples: dict[str, list[float]] = {}
-    for _ in range(IN_STEP_ROUNDS):
-        for comm, axis, group in timed:
-            for ops, phase, count in phases:
+        from metadist.runtime.collectives import Collectives
+
+        self.timed = [(Collectives.from_device_mesh(_world_mesh(world)), 0, "")]
+        self.timed += [(Collectives.from_device_mesh(init_device_mesh("cpu", (world // size, size))), 1, f":{size}")
+                       for size in _group_sizes(world, [world])]
+        # every rank times the same phases, whatever its host's cores
+        self.phases = _in_step_phases(_any_rank(core_sharing() > 1, torch.device("cpu")), repeats)
+        self.samples: dict[str, list[float]] = {}
+
+    def round(self) -> None:
+        """One round: each figure's samples of this round, every figure in turn (every rank at once)."""
+        for comm, axis, group in self.timed:
+            for ops, phase, count in self.phases:
                 alone, extra = _in_step_collective(comm, axis, count, ops)
-                samples.setdefault(f"in_step_collective{phase}_s{group}", []).extend(extra)
+                self.samples.setdefault(f"in_step_collective{phase}_s{group}", []).extend(extra)
                 if not group:
-                    samples.setdefault(f"compute_phase{phase}_s", []).extend(alone)
-    return {key: max((expected_wait if key.startswith("in_step_collective") else statistics.median)(values), 0.0)
-            for key, values in samples.items()}
+                    self.samples.setdefault(f"compute_phase{phase}_s", []).extend(alone)
+
+    def figures(self) -> dict[str, float]:
+        if not self.samples:
+            raise RuntimeError("_InStepSampler.figures before any round")
+        return {key: max((expected_wait if key.startswith("in_step_collective") else statistics.median)(values), 0.0)
+                for key, values in self.samples.items()}
 
 
 WAIT_TRIM = 0.05
@@ -970,9 +974,13 @@ def main(argv: list[str] | None = None) -> None:
     # FSDP2's units first, in a process as fresh as a training step's (see _fsdp_unit_seconds): over all the
     # processes, then over groups of each size a mesh axis of these processes can have
     fsdp: dict[str, float] = {}
+    in_step = None
     if device.type == "cpu" and world > 1:
         for size in (world, *fsdp_group_sizes(world, shape)):
             fsdp.update(_fsdp_unit_seconds(size, FSDP_REPEATS))
+        # the in-step waits' rounds (CPU processes): one here, one after the collectives, one at the end
+        in_step = _InStepSampler(world, IN_STEP_REPEATS)
+        in_step.round()
     # the mesh's own axes, then groups of the sizes other meshes of these processes have (2x2 of 4: pairs), all at once
     timed = [(axis, shape[axis], group) for axis, group in enumerate(_axis_groups(shape))]
     timed += [(-1, size, _axis_groups([world // size, size])[1]) for size in _group_sizes(world, shape)]
@@ -988,12 +996,17 @@ def main(argv: list[str] | None = None) -> None:
                     break
                 measurements.append({"axis": axis, "group_size": size, "op": op, "bytes": nbytes, "seconds": seconds})
     dist.barrier()
+    if in_step is not None:
+        in_step.round()
     if device.type == "cpu" and _any_rank(core_sharing() > 1, device):  # ranks share cores: see _roofline_alone
         roofline = _roofline_alone(device)
     else:
         roofline = _slowest(_roofline(device), device)
     if device.type == "cpu":  # the runtime's per-node and per-collective costs (CPU processes; GPUs keep the roofline)
-        roofline.update(_slowest(_runtime_figures(roofline) | fsdp, device))
+        runtime = _runtime_figures(roofline)
+        if in_step is not None:
+            in_step.round()
+        roofline.update(_slowest(runtime | fsdp | (in_step.figures() if in_step is not None else {}), device))
     if dist.get_rank() == 0:
         report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "mesh": shape,
                   "device": roofline, "device_name": torch.cuda.get_device_name(device) if use_cuda else "cpu",
