@@ -622,7 +622,6 @@ IN_STEP_REPEATS = 15
 """Samples of each in-step figure a round (a third as many for the long phase, :func:`_in_step_phases`)."""
 
 
-
 class _InStepSampler:
     """``compute_phase_s``, ``in_step_collective_s`` and their ``_short`` twins (and ``_long`` where the ranks do not
     share cores, :func:`_in_step_phases`) among all the processes, and ``in_step_collective_s:SIZE`` and its twins
@@ -635,7 +634,9 @@ class _InStepSampler:
     launch (after the short phase 0.9, 1.9 and 1.6 ms; after the long one 4.1, 6.5 and 7.4): which processes share a
     core changes as the scheduler moves them, and a step meets every such turn. On 2 processes, with the three rounds
     back to back, the wait after the 2 ms phase came to 1.45, 1.30 and 0.48 ms in three calibrations a minute apart
-    (each the mean of 45 samples): how often other work takes a core from one of the processes changes over seconds."""
+    (each the mean of 45 samples): how often other work takes a core from one of the processes changes over seconds.
+    Spread over the run, three more gave 1.50, 1.34 and 0.65: the machine's own drift, which no statistic of one
+    calibration's samples removes."""
 
     def __init__(self, world: int, repeats: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -823,8 +824,8 @@ def _fsdp_unit_seconds(size: int, repeats: int) -> dict[str, float]:
     unit and at a root without parameters, as a model's blocks are) less the same chain unsharded, every rank at once,
     over the units. ``size``: the ranks each chain is sharded over, all of them or groups of ``size`` consecutive
     ranks, every group at once (keys ``fsdp_unit_s:VARIANT:BYTES:SIZE``; version 27), as FSDP2 runs over one axis of
-    a 2-D mesh under tensor parallelism. Each size's chains take turns, a step each, ``repeats`` rounds: the median
-    step's mean less the slowest (:func:`expected_wait`, version 33; the median before) is kept; from
+    a 2-D mesh under tensor parallelism. Each size's chains take turns, a step each, ``repeats`` rounds: the mean of
+    each chain's steps less the slowest is kept (:func:`expected_wait`, version 33; their median before); from
     :data:`FSDP_LARGE_BYTES` on, the fastest of :data:`FSDP_LARGE_ROUNDS` (version 30).
 
     That is FSDP2 as it runs on this backend inside a step, not its collectives alone: the all-gather's copy-in into a
