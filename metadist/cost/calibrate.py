@@ -591,8 +591,8 @@ its modules' ops at an optimizer's elementwise op's cost, a third of what they r
 (:func:`.matmul_times.time_matmul`); 33: an in-step call's wait priced at its samples' mean (less the largest 5 %), not
 their median (:func:`.calibrate_worker.expected_wait`: on 2 processes the waits are bimodal, and their median flipped
 between the modes from one calibration to the next), and FSDP2's small units' steps likewise; the in-step rounds run
-at three points of the worker's run, not back to back at its end (:class:`.calibrate_worker._InStepSampler`). A cache of an older version is
-measured again, not read."""
+at three points of the worker's run, not back to back at its end (:class:`.calibrate_worker._InStepSampler`). A cache
+of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:
