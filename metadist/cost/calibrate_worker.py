@@ -13,8 +13,9 @@ slowest rank's figures are kept. Two figures are measured through the runtime it
 seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
 runtime's collectives between two compute phases gives what a collective costs where a step runs
 it (the wait for the slower peer included; :class:`_InStepSampler`), and a mix of elementwise ops on a sharded DTensor
-against the same ops on its local tensor gives what torch's DTensor adds per op, and a chain of four linear units under torch's
-``fully_shard`` against the same chain unsharded gives what FSDP2 adds per unit (:func:`_fsdp_unit_seconds`). Last,
+against the same ops on its local tensor gives what torch's DTensor adds per op, and a chain of four linear units
+under torch's ``fully_shard`` against the same chain unsharded gives what FSDP2 adds per unit
+(:func:`_fsdp_unit_seconds`). Last,
 the same op mix timed in short bursts and in a
 long stretch gives how much slower the ranks compute over a step than in the short timed calls
 (:func:`_sustained_slowdown`: ranks sharing cores take turns). Rank 0 writes the measurements as JSON.
