@@ -128,8 +128,8 @@ def test_calibrating_again_drops_the_timed_matmul_shapes(tmp_path, monkeypatch):
 
 
 def test_calibrate_prints_the_dtensor_figures_it_measured(tmp_path, monkeypatch, capsys):
-    """torch's DTensor costs (an elementwise op's, a parallel linear's op's) are printed where measured, and only
-    those: an older report without the module figure does not print it as 0."""
+    """torch's DTensor costs (an elementwise op's, a parallel linear's op's and its all-reduce's) are printed where
+    measured, and only those: an older report without the module figure does not print it as 0."""
     import metadist.cost.calibrate as calibrate_module
     from metadist.cli.main import main
     from metadist.cost.calibrate import cluster_from_report
@@ -137,7 +137,9 @@ def test_calibrate_prints_the_dtensor_figures_it_measured(tmp_path, monkeypatch,
     monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path))
     for extra, printed in (({}, None), ({"dtensor_op_s": 12e-6}, "adds 12.0 us an elementwise op "),
                            ({"dtensor_op_s": 12e-6, "dtensor_module_op_s": 35e-6},
-                            "adds 12.0 us an elementwise op, 35.0 us an op of a parallel linear ")):
+                            "adds 12.0 us an elementwise op, 35.0 us an op of a parallel linear "),
+                           ({"dtensor_op_s": 12e-6, "dtensor_module_op_s": 35e-6, "dtensor_collective_s": 350e-6},
+                            "35.0 us an op of a parallel linear, 350.0 us a parallel linear's all-reduce ")):
         report = {**REPORT, "device": {**REPORT["device"], **extra}}
         monkeypatch.setattr(calibrate_module, "calibrate",
                             lambda nproc, mesh, sizes, report=report, **options: (cluster_from_report(report, mesh), report))
@@ -147,6 +149,7 @@ def test_calibrate_prints_the_dtensor_figures_it_measured(tmp_path, monkeypatch,
             assert "DTensor" not in out
         else:
             assert printed in out and ("parallel linear" in out) == ("dtensor_module_op_s" in extra)
+            assert ("a parallel linear's all-reduce" in out) == ("dtensor_collective_s" in extra)
 
 
 def _launch(device: dict, seconds: float, **other) -> dict:

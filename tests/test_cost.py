@@ -266,6 +266,12 @@ def test_a_sustained_slowdown_scales_every_rate_and_per_op_time_of_the_calibrati
     assert device(dtensor_module_op_s=35e-6, sustained_slowdown=1.6).dtensor_module_op_overhead_s == pytest.approx(1.6 * 35e-6)
     with pytest.raises(ClusterError, match="positive"):
         replace(plain, dtensor_module_op_overhead_s=-1e-6)
+    # what DTensor adds to each all-reduce torch's TP issues (version 34): the calling thread's CPU, scaled alike
+    assert plain.dtensor_collective_overhead_s == 0.0
+    assert device(dtensor_collective_s=350e-6, sustained_slowdown=1.6).dtensor_collective_overhead_s == \
+        pytest.approx(1.6 * 350e-6)
+    with pytest.raises(ClusterError, match="positive"):
+        replace(plain, dtensor_collective_overhead_s=-1e-6)
 
 
 def test_fsdp_unit_costs_are_fitted_through_two_sizes_for_the_groups_they_were_timed_over():
@@ -411,7 +417,7 @@ def test_the_calibration_keeps_the_slowest_ranks_figure_of_each_kind():
     from metadist.cost.calibrate_worker import slower_when_larger
 
     seconds = ["op_overhead_s", "captured_step_s", "captured_roofline_s", "eager_step_s", "dtensor_op_s",
-               "dtensor_module_op_s", "sustained_slowdown", "core_sharing", "compute_phase_s", "in_step_collective_s", "in_step_collective_s:2", "in_step_collective_short_s:2",
+               "dtensor_module_op_s", "dtensor_collective_s", "sustained_slowdown", "core_sharing", "compute_phase_s", "in_step_collective_s", "in_step_collective_s:2", "in_step_collective_short_s:2",
                "in_step_collective_long_s", "op_element_s:tanh", "fsdp_unit_s:zero2:262144",
                "fsdp_unit_s:zero3:33547264", "fsdp_unit_s:zero2:262144:2"]
     rates = ["peak_flops_per_s", "peak_flops_per_s_bfloat16", "memory_bandwidth_bytes_per_s",
@@ -718,6 +724,9 @@ def test_calibrate_measures_gloo_on_two_processes():
     # an op of a parallel linear costs more than an elementwise one on a DTensor (version 32)
     assert report["device"]["dtensor_module_op_s"] > report["device"]["dtensor_op_s"]
     assert device.dtensor_module_op_overhead_s == pytest.approx(report["device"]["dtensor_module_op_s"] * slowdown)
+    # an all-reduce torch's TP issues through DTensor costs the calling thread more than a plain one (version 34)
+    assert report["device"]["dtensor_collective_s"] > 0
+    assert device.dtensor_collective_overhead_s == pytest.approx(report["device"]["dtensor_collective_s"] * slowdown)
     # what torch's FSDP2 adds per unit, at two sizes (version 14), on the link of all the processes
     from metadist.cost.calibrate_worker import FSDP_UNIT_BYTES
 

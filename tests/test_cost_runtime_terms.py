@@ -209,6 +209,12 @@ def test_torch_fsdp_and_tp_pay_the_dtensor_cost_of_each_op_they_run_on_dtensors(
     assert dtensor_seconds(measured, 10, 5) == pytest.approx(15 * 40e-6)
     modules = replace(measured, device=replace(measured.device, dtensor_module_op_overhead_s=120e-6))
     assert dtensor_seconds(modules, 10, 5) == pytest.approx(10 * 40e-6 + 5 * 120e-6)
+    # the all-reduces the parallel modules issue through DTensor: each at its own figure beyond the link's price
+    assert dtensor_seconds(modules, 10, 5, collectives=3) == dtensor_seconds(modules, 10, 5)  # not measured: 0
+    called = replace(modules, device=replace(modules.device, dtensor_collective_overhead_s=400e-6))
+    assert dtensor_seconds(called, 10, 5, collectives=3) == pytest.approx(10 * 40e-6 + 5 * 120e-6 + 3 * 400e-6)
+    with pytest.raises(ValueError, match=">= 0"):
+        dtensor_seconds(called, 0, 0, collectives=-1)
 
 
 def test_torch_tp_is_priced_by_its_activation_all_reduces_and_fsdp_on_the_other_axis():
@@ -233,6 +239,16 @@ def test_torch_tp_is_priced_by_its_activation_all_reduces_and_fsdp_on_the_other_
                                      module_ops=20)
     assert with_modules["dtensor_s"] == pytest.approx(60 * 50e-6 + 20 * 150e-6)
     assert with_modules["compute_s"] == pytest.approx(eager + 60 * 50e-6 + 20 * 150e-6)
+    # each activation all-reduce pays what DTensor adds to it in the calling thread, on the compute; a TP axis of one
+    # rank issues none
+    called = replace(moduled, device=replace(moduled.device, dtensor_collective_overhead_s=400e-6))
+    with_calls = torch_tp_estimate(graph, called, megatron.estimate, reduces, dtensor_ops=60, layout_plan=megatron,
+                                   module_ops=20)
+    assert with_calls["dtensor_s"] == pytest.approx(with_modules["dtensor_s"] + len(reduces) * 400e-6)
+    assert with_calls["comm_s"] == pytest.approx(with_modules["comm_s"]) and with_calls["step_s"] > with_modules["step_s"]
+    lone = replace(called, mesh=Mesh((4, 1)), axis_links=(called.link(0), called.link(0)))
+    assert torch_tp_estimate(graph, lone, megatron.estimate, reduces, dtensor_ops=60, layout_plan=megatron,
+                             module_ops=20)["dtensor_s"] == pytest.approx(with_modules["dtensor_s"])
     # 2-D (dp, tp): the all-reduces on tp's link, FSDP2's all-gather and reduce-scatter per unit on dp's
     square = _synced("cpu-gloo", Mesh((2, 2)), sync_s=1e-3, op_overhead_s=30e-6)
     square = replace(square, axis_links=(replace(square.link(0), sync_s=3e-3), square.link(1)))

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{human_bytes(device.memory_capacity_bytes)} capacity", markup=False)
     dtensor = [f"{seconds * 1e6:.1f} us {what}" for seconds, what in
                ((device.dtensor_op_overhead_s, "an elementwise op"),
-                (device.dtensor_module_op_overhead_s, "an op of a parallel linear")) if seconds > 0]
+                (device.dtensor_module_op_overhead_s, "an op of a parallel linear"),
+                (device.dtensor_collective_overhead_s, "a parallel linear's all-reduce")) if seconds > 0]
     if dtensor:
         console.print(f"  torch's DTensor (FSDP2, TP) adds {', '.join(dtensor)}", markup=False)
     if device.sustained_slowdown > 1:

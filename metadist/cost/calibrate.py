@@ -277,6 +277,7 @@ def cluster_from_report(report: Mapping[str, Any], mesh: Mesh) -> Cluster:
         eager_op_overhead_s=eager_op_overhead(figures) * slowdown,
         dtensor_op_overhead_s=float(figures.get("dtensor_op_s", 0.0)) * slowdown,
         dtensor_module_op_overhead_s=float(figures.get("dtensor_module_op_s", 0.0)) * slowdown,
+        dtensor_collective_overhead_s=float(figures.get("dtensor_collective_s", 0.0)) * slowdown,
         memory_capacity_bytes=float(report.get("memory_capacity_bytes") or _host_memory_bytes() / max(1, mesh.size)),
         name=report.get("device_name", ""),
         sustained_slowdown=slowdown,
@@ -539,7 +540,7 @@ def calibrate(nproc: int, mesh: Mesh | None = None, sizes: str = FULL_SIZES, lau
 # ---------------------------------------------------------------- the per-machine cache
 
 CALIBRATION_FORMAT = "metadist.calibration"
-CALIBRATION_VERSION = 33
+CALIBRATION_VERSION = 34
 """2: the worker also times a captured step and a collective between compute phases (the runtime's per-node and
 per-collective costs); 3: matmul FLOP/s and elementwise bytes/s at several sizes, in float32, bfloat16 and float16
 (the cost model's curves); 4: the bytes/s of a few-row matmul's large operand, per dtype (skinny matmuls); 5: the seconds per element of ops that
@@ -591,8 +592,10 @@ its modules' ops at an optimizer's elementwise op's cost, a third of what they r
 (:func:`.matmul_times.time_matmul`); 33: an in-step call's wait priced at its samples' mean (less the largest 5 %), not
 their median (:func:`.calibrate_worker.expected_wait`: on 2 processes the waits are bimodal, and their median flipped
 between the modes from one calibration to the next), and FSDP2's small units' steps likewise; the in-step rounds run
-at three points of the worker's run, not back to back at its end (:class:`.calibrate_worker._InStepSampler`). A cache
-of an older version is measured again, not read."""
+at three points of the worker's run, not back to back at its end (:class:`.calibrate_worker._InStepSampler`); 34: what
+an all-reduce torch's tensor parallelism issues through DTensor costs the calling thread beyond a plain all-reduce
+(``dtensor_collective_s``, :func:`.calibrate_worker._dtensor_collective_seconds`): ~0.3-0.4 ms a call on this project's
+2-core machine, unpriced before. A cache of an older version is measured again, not read."""
 
 
 def machine_fingerprint() -> dict[str, Any]:

@@ -13,7 +13,9 @@ slowest rank's figures are kept. Two figures are measured through the runtime it
 seconds the runtime spends per node beyond its roofline, and a small all-reduce issued by the
 runtime's collectives between two compute phases gives what a collective costs where a step runs
 it (the wait for the slower peer included; :class:`_InStepSampler`), and a mix of elementwise ops on a sharded DTensor
-against the same ops on its local tensor gives what torch's DTensor adds per op, and a chain of four linear units
+against the same ops on its local tensor gives what torch's DTensor adds per op, a tensor-parallel pair of linears on
+an axis of all the ranks against the same pair on an axis of one what it adds to each all-reduce tensor parallelism
+issues (:func:`_dtensor_collective_seconds`), and a chain of four linear units
 under torch's ``fully_shard`` against the same chain unsharded gives what FSDP2 adds per unit
 (:func:`_fsdp_unit_seconds`). Last,
 the same op mix timed in short bursts and in a
@@ -26,7 +28,6 @@ metadist.cost.calibrate_worker --mesh 2x2 --out FILE``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import math
@@ -440,7 +441,7 @@ def _slowest(figures: dict[str, float], device: torch.device) -> dict[str, float
 _SECONDS = frozenset({"op_overhead_s", "captured_step_s", "captured_roofline_s", "eager_step_s", "in_step_collective_s",
                       "compute_phase_s", "in_step_collective_short_s", "compute_phase_short_s",
                       "in_step_collective_long_s", "compute_phase_long_s", "sustained_slowdown", "core_sharing",
-                      "dtensor_op_s", "dtensor_module_op_s"})
+                      "dtensor_op_s", "dtensor_module_op_s", "dtensor_collective_s"})
 """Figures that are times or slowdowns (the slowest rank has the largest), with every key of :data:`_SECONDS_PREFIXES`;
 the others are rates (the smallest). Up to version 27 ``captured_roofline_s`` was taken for a rate; every rank computes
 it from the same (already reduced) rates, so the figure kept was the same."""
@@ -575,6 +576,9 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
       (:func:`_dtensor_op_seconds`), which torch's FSDP2 and tensor parallelism pay per op on their DTensor parameters.
     - ``dtensor_module_op_s``: what an op of a tensor-parallel linear's forward and backward costs beyond the same
       linear on plain tensors (:func:`_dtensor_module_op_seconds`).
+    - ``dtensor_collective_s``: what an all-reduce torch's tensor parallelism issues through DTensor costs the
+      calling thread beyond the same all-reduce issued plainly (:func:`_dtensor_collective_seconds`; 0 on one
+      process).
     """
     import metadist
     from metadist.ir import Mesh
@@ -615,7 +619,8 @@ def _runtime_figures(roofline: dict[str, float], repeats: int = 15) -> dict[str,
     figures = {"captured_step_s": step_s, "captured_nodes": float(len(graph.nodes)), "captured_roofline_s": roofline_s,
                "eager_step_s": eager_s, "sustained_slowdown": _sustained_slowdown(), "core_sharing": core_sharing(),
                "dtensor_op_s": _dtensor_op_seconds(_world_mesh(world), repeats),
-               "dtensor_module_op_s": _dtensor_module_op_seconds(world, repeats)}
+               "dtensor_module_op_s": _dtensor_module_op_seconds(world, repeats),
+               "dtensor_collective_s": _dtensor_collective_seconds(world, repeats)}
     return figures
 
 
@@ -755,28 +760,87 @@ def _dtensor_module_op_seconds(world: int, repeats: int) -> float:
     ``dtensor_op_s`` is. Such an op (a linear's matmul, its input wrapped and its output unwrapped, the backward's
     redistributions) costs more than an optimizer's elementwise op on a DTensor: on this project's 2-core machine,
     llama-tiny's and gpt2-tiny's parallel modules ran 41 us an op beyond their plain step on a 1x1 mesh, where
-    ``dtensor_op_s`` was 12. The collectives a wider axis adds are priced as calls, not here."""
-    from torch import nn
+    ``dtensor_op_s`` was 12. The collectives a wider axis adds are priced as calls, and what DTensor adds to each by
+    :func:`_dtensor_collective_seconds`, not here."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from .op_counts import module_ops
 
-    tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "tp"))["tp"]
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(TP_PAIR_WIDTH, 4 * TP_PAIR_WIDTH), nn.ReLU(), nn.Linear(4 * TP_PAIR_WIDTH, TP_PAIR_WIDTH))
-    parallel = parallelize_module(copy.deepcopy(plain), tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    plain, plain_step = _tp_pair(None)
+    _, parallel_step = _tp_pair(init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "tp"))["tp"])
     ops = module_ops(plain[0], (*TP_PAIR_INPUT, TP_PAIR_WIDTH), torch.float32, True) + \
         module_ops(plain[2], (*TP_PAIR_INPUT, 4 * TP_PAIR_WIDTH), torch.float32, True)
+    return _extra_seconds_alone(parallel_step, plain_step, repeats) / ops
+
+
+def _tp_pair(mesh):
+    """:func:`_dtensor_module_op_seconds`'s pair of linears (column-wise, then row-wise) over ``mesh`` (None: plain),
+    and its forward and backward on an input that needs its gradient, as a step leaves the parameters' gradients."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    pair = nn.Sequential(nn.Linear(TP_PAIR_WIDTH, 4 * TP_PAIR_WIDTH), nn.ReLU(), nn.Linear(4 * TP_PAIR_WIDTH, TP_PAIR_WIDTH))
+    if mesh is not None:
+        pair = parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(*TP_PAIR_INPUT, TP_PAIR_WIDTH, requires_grad=True)
 
-    def forward_backward(model: nn.Module) -> None:
-        for p in model.parameters():
+    def forward_backward() -> None:
+        for p in pair.parameters():
             p.grad = None  # as a training step's zero_grad leaves them
         x.grad = None
-        model(x).sum().backward()
+        pair(x).sum().backward()
 
-    return _extra_seconds_alone(lambda: forward_backward(parallel), lambda: forward_backward(plain), repeats) / ops
+    return pair, forward_backward
+
+
+TP_PAIR_CALLS = 2
+"""All-reduces of the pair's forward and backward on an axis of more than one rank: the row-wise linear's output and
+the column-wise linear's input gradient."""
+
+
+def _thread_seconds(run) -> float:
+    """CPU seconds the calling thread spends in ``run()``: a wait for a peer adds none, nor the work a backend's own
+    threads do (gloo carries out its collectives on them)."""
+    started = time.thread_time()
+    run()
+    return time.thread_time() - started
+
+
+def _dtensor_collective_seconds(world: int, repeats: int) -> float:
+    """CPU seconds one all-reduce that torch's tensor parallelism issues through DTensor (a redistribution from
+    partial to replicated values: a functional collective, its wait and the tensors wrapped around it) costs the
+    calling thread beyond the same all-reduce issued with ``dist.all_reduce``, whose cost the link's fitted price
+    holds. :func:`_tp_pair` on an axis of all the processes, against the same pair on an axis of one (no collective)
+    and two plain all-reduces of the pair's activations over all the processes, per call (:data:`TP_PAIR_CALLS`);
+    each call ``2 * repeats`` times, interleaved, after three untimed ones, the medians' difference.
+
+    Timed on every rank at once (the calls need them all), as the calling thread's CPU time, which a wait adds nothing
+    to. On this project's 2-core machine such a call took 310-400 us of the thread beyond the pair on one rank and a
+    plain all-reduce's 27-70 us (2 and 4 processes, the pair 64 wide): not priced before version 34, when torch's TP
+    rows on 4 processes measured 1.27-1.43x their price on one page. 0 on one process."""
+    if world == 1:
+        return 0.0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, spread = _tp_pair(init_device_mesh("cpu", (1, world), mesh_dim_names=("ranks", "tp"))["tp"])
+    _, alone = _tp_pair(init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "tp"))["tp"])
+    activations = torch.randn(*TP_PAIR_INPUT, TP_PAIR_WIDTH)
+
+    def plain() -> None:
+        for _ in range(TP_PAIR_CALLS):
+            dist.all_reduce(activations)
+
+    runs = (spread, alone, plain)
+    for _ in range(3):
+        for run in runs:
+            run()
+    samples: tuple[list[float], ...] = ([], [], [])
+    for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits all three alike
+        for run, taken in zip(runs, samples):
+            taken.append(_thread_seconds(run))
+    spread_s, alone_s, plain_s = (statistics.median(taken) for taken in samples)
+    return max(spread_s - alone_s - plain_s, 0.0) / TP_PAIR_CALLS
 
 
 FSDP_UNIT_BYTES = (1 << 18, 1 << 25)

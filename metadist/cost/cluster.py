@@ -231,6 +231,12 @@ class Device:
     costs beyond the same op on plain tensors: a linear's matmul on DTensors, its input wrapped and its output
     unwrapped, costs ~3x an elementwise op's ``dtensor_op_overhead_s`` on CPU. Measured by ``metadist calibrate`` on
     CPU (calibration version 32), 0 (not measured: such ops are priced at ``dtensor_op_overhead_s``) elsewhere."""
+    dtensor_collective_overhead_s: float = 0.0
+    """What one all-reduce that torch's tensor parallelism issues through DTensor (a row-wise linear's output, a
+    column-wise linear's input gradient) costs the calling thread beyond the same all-reduce issued plainly, whose
+    cost the link prices: the redistribution, the functional collective and its wait in Python (~0.3-0.4 ms a call on
+    this project's 2-core machine). Measured by ``metadist calibrate`` on CPU processes (calibration version 34), 0
+    (not measured) elsewhere."""
     matmul_seconds: tuple[tuple[MatmulKey, float], ...] = ()
     """Measured seconds of matmuls by local shape, as (``(dtype, layout, batch, m, k, n)``, seconds) pairs (``batch``
     0 for a plain matmul; ``layout`` as :attr:`matmul_curves`'s): a node whose local matmul is listed is priced at its
@@ -276,6 +282,7 @@ class Device:
                    *(value for _, points in (*matmul, *elementwise) for point in points for value in point))
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
                 or not self.dtensor_op_overhead_s >= 0 or not self.dtensor_module_op_overhead_s >= 0 \
+                or not self.dtensor_collective_overhead_s >= 0 \
                 or not all(seconds >= 0 for _, seconds in (*elements, *matmuls, *attention)) \
                 or not self.sustained_slowdown >= 1:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "

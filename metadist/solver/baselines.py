@@ -289,15 +289,19 @@ def torch_fsdp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, un
             "collectives_by_kind": calls, "cluster": cluster.name}
 
 
-def dtensor_seconds(cluster: Cluster, ops: int, module_ops: int = 0) -> float:
+def dtensor_seconds(cluster: Cluster, ops: int, module_ops: int = 0, collectives: int = 0) -> float:
     """What ``ops`` elementwise ops on DTensors (an eager optimizer's) and ``module_ops`` ops of tensor-parallel
     modules' forward and backward cost beyond the same ops on plain tensors
     (:attr:`metadist.cost.cluster.Device.dtensor_op_overhead_s` and ``dtensor_module_op_overhead_s``, the module
-    ops at the first where the calibration did not measure the second; 0 where it measured neither)."""
-    if ops < 0 or module_ops < 0:
-        raise ValueError(f"a count of DTensor ops must be >= 0, got {ops} and {module_ops} module ops")
+    ops at the first where the calibration did not measure the second; 0 where it measured neither), and what
+    ``collectives`` all-reduces those modules issue through DTensor cost the calling thread beyond the plain calls the
+    links price (``dtensor_collective_overhead_s``)."""
+    if ops < 0 or module_ops < 0 or collectives < 0:
+        raise ValueError(f"a count of DTensor ops must be >= 0, got {ops} and {module_ops} module ops and "
+                         f"{collectives} collectives")
     device = cluster.device
-    return ops * device.dtensor_op_overhead_s + module_ops * (device.dtensor_module_op_overhead_s or device.dtensor_op_overhead_s)
+    return ops * device.dtensor_op_overhead_s + module_ops * (device.dtensor_module_op_overhead_s or device.dtensor_op_overhead_s) \
+        + collectives * device.dtensor_collective_overhead_s
 
 
 def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, activation_reduces: Sequence[float],
@@ -315,7 +319,8 @@ def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, acti
     (``fsdp_unit_bytes``, of the parameters as TP leaves them on a rank) are priced as :func:`torch_fsdp_estimate`
     prices them. Compute: the layout's (``layout_estimate``) at the eager per-node cost, random ops drawn per rank
     (``layout_plan``), plus the ops on DTensors (:func:`dtensor_seconds`): ``module_ops`` of the parallel modules'
-    forward and backward, ``dtensor_ops`` of the eager optimizer on the DTensor parameters. No overlap is assumed."""
+    forward and backward, ``dtensor_ops`` of the eager optimizer on the DTensor parameters, and what DTensor adds to
+    each activation all-reduce in the calling thread. No overlap is assumed."""
     from ..cost.comm import collective_seconds
 
     mesh = cluster.mesh
@@ -324,13 +329,14 @@ def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, acti
     if mesh.ndim == 1 and fsdp_unit_bytes:
         raise ValueError("torch_tp_estimate: FSDP units need a 2-D mesh (dp, tp)")
     tp_axis = mesh.ndim - 1
-    dtensor_s = dtensor_seconds(cluster, dtensor_ops, module_ops)
+    reduced = [size for size in activation_reduces if size > 0 and mesh.shape[tp_axis] > 1]
+    dtensor_s = dtensor_seconds(cluster, dtensor_ops, module_ops, collectives=len(reduced))
     compute_s = _eager_compute_s(graph, cluster, layout_estimate, layout_plan) + dtensor_s
     bytes_by_axis = {name: 0.0 for name in mesh.axis_names}
     calls: dict[str, int] = {}
     waiting = []
     comm_s = 0.0
-    for size in (size for size in activation_reduces if size > 0 and mesh.shape[tp_axis] > 1):
+    for size in reduced:
         seconds, sent = collective_seconds("all_reduce", size, mesh.shape[tp_axis], cluster.link(tp_axis))
         comm_s += seconds
         bytes_by_axis[mesh.axis_names[tp_axis]] += sent
