@@ -401,8 +401,9 @@ def page(runs: Sequence[BenchRun], scale: dict | None, images: dict[str, str], c
                   "output and per column-wise input gradient, FSDP2 per unit on the data-parallel axis of tp-dp. FSDP2 "
                   "and TP also pay the calibrated cost of each op they run on a DTensor (the optimizer's, "
                   "calibration version 13, and TP's parallel modules', each a linear's op timed on DTensors from "
-                  "version 32; older result files price the Megatron rows as the "
-                  "solver's Megatron layout, with MetaDist's collectives). Where the calibration measured a call's "
+                  "version 32), and from version 34 what DTensor adds to each of TP's all-reduces in the calling "
+                  "thread; older result files price the Megatron rows as the "
+                  "solver's Megatron layout, with MetaDist's collectives. Where the calibration measured a call's "
                   "wait by the compute before it, MetaDist's calls wait by the compute their program runs before each, "
                   "torch's by the step's compute spread evenly between its calls.", "",
                   _ratio_summary(prediction), "",

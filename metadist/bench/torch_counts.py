@@ -4,7 +4,7 @@ The cost model prices those baselines as they run (:func:`metadist.solver.baseli
 :func:`~metadist.solver.baselines.torch_tp_estimate`): every op they run on a DTensor pays the calibrated
 ``Device.dtensor_op_overhead_s`` (an optimizer's elementwise op) or ``dtensor_module_op_overhead_s`` (an op of a
 parallel module's forward and backward), and torch's TP all-reduces activations at fixed points of its parallel
-modules.
+modules, each paying ``dtensor_collective_overhead_s`` beyond its link's price.
 These counts come from the model and optimizer themselves, run where nothing is timed: the optimizer's ops on meta
 copies of the parameters, a parallel module's forward and backward on a meta copy, and one forward of the model with
 hooks for the shapes of the parallel modules' inputs and outputs. What counts as an op is one definition
