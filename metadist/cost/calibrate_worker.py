@@ -811,9 +811,9 @@ def _dtensor_collective_seconds(world: int, repeats: int) -> float:
     """CPU seconds one all-reduce that torch's tensor parallelism issues through DTensor (a redistribution from
     partial to replicated values: a functional collective, its wait and the tensors wrapped around it) costs the
     calling thread beyond the same all-reduce issued with ``dist.all_reduce``, whose cost the link's fitted price
-    holds. :func:`_tp_pair` on an axis of all the processes, against the same pair on an axis of one (no collective)
-    and two plain all-reduces of the pair's activations over all the processes, per call (:data:`TP_PAIR_CALLS`);
-    each call ``2 * repeats`` times, interleaved, after three untimed ones, the medians' difference.
+    holds. :func:`_tp_pair` on an axis of all the processes, against the same pair on an axis of one and two plain
+    all-reduces of the pair's activations over all the processes, per call (:data:`TP_PAIR_CALLS`); each run
+    ``2 * repeats`` times, interleaved, after three untimed ones, the medians' difference.
 
     Timed on every rank at once (the calls need them all), as the calling thread's CPU time, which a wait adds nothing
     to. On this project's 2-core machine such a call took 310-400 us of the thread beyond the pair on one rank and a
@@ -825,7 +825,7 @@ def _dtensor_collective_seconds(world: int, repeats: int) -> float:
 
     _, spread = _tp_pair(init_device_mesh("cpu", (1, world), mesh_dim_names=("ranks", "tp"))["tp"])
     _, alone = _tp_pair(init_device_mesh("cpu", (world, 1), mesh_dim_names=("ranks", "tp"))["tp"])
-    activations = torch.randn(*TP_PAIR_INPUT, TP_PAIR_WIDTH)
+    activations = torch.zeros(*TP_PAIR_INPUT, TP_PAIR_WIDTH)  # zeros: summed over and over, they stay finite
 
     def plain() -> None:
         for _ in range(TP_PAIR_CALLS):
