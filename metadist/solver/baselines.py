@@ -300,8 +300,8 @@ def dtensor_seconds(cluster: Cluster, ops: int, module_ops: int = 0, collectives
         raise ValueError(f"a count of DTensor ops must be >= 0, got {ops} and {module_ops} module ops and "
                          f"{collectives} collectives")
     device = cluster.device
-    return ops * device.dtensor_op_overhead_s + module_ops * (device.dtensor_module_op_overhead_s or device.dtensor_op_overhead_s) \
-        + collectives * device.dtensor_collective_overhead_s
+    module_op_s = device.dtensor_module_op_overhead_s or device.dtensor_op_overhead_s
+    return ops * device.dtensor_op_overhead_s + module_ops * module_op_s + collectives * device.dtensor_collective_overhead_s
 
 
 def torch_tp_estimate(graph: Graph, cluster: Cluster, layout_estimate: Any, activation_reduces: Sequence[float],
