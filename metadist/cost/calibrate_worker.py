@@ -549,12 +549,15 @@ def _calibration_step(model, optimizer, batch):
     return loss
 
 
-def median_seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int, clock=time.perf_counter) -> float:
+    """The median of ``repeats`` calls of ``run()`` as ``clock`` times them: wall time, or with ``time.thread_time``
+    the calling thread's CPU time (a wait for a peer adds none, nor the work a backend's own threads do: gloo carries
+    out its collectives on them)."""
     samples = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = clock()
         run()
-        samples.append(time.perf_counter() - started)
+        samples.append(clock() - started)
     return statistics.median(samples)
 
 
@@ -799,14 +802,6 @@ TP_PAIR_CALLS = 2
 the column-wise linear's input gradient."""
 
 
-def _thread_seconds(run) -> float:
-    """CPU seconds the calling thread spends in ``run()``: a wait for a peer adds none, nor the work a backend's own
-    threads do (gloo carries out its collectives on them)."""
-    started = time.thread_time()
-    run()
-    return time.thread_time() - started
-
-
 def _dtensor_collective_seconds(world: int, repeats: int) -> float:
     """CPU seconds one all-reduce that torch's tensor parallelism issues through DTensor (a redistribution from
     partial to replicated values: a functional collective, its wait and the tensors wrapped around it) costs the
@@ -838,7 +833,7 @@ def _dtensor_collective_seconds(world: int, repeats: int) -> float:
     samples: tuple[list[float], ...] = ([], [], [])
     for _ in range(2 * repeats):  # interleaved, so that a change of the machine's load hits all three alike
         for run, taken in zip(runs, samples):
-            taken.append(_thread_seconds(run))
+            taken.append(median_seconds(run, 1, clock=time.thread_time))
     spread_s, alone_s, plain_s = (statistics.median(taken) for taken in samples)
     return max(spread_s - alone_s - plain_s, 0.0) / TP_PAIR_CALLS
 
