@@ -13,6 +13,7 @@ import pytest
 
 from metadist.cost import Cluster, ClusterError, Link, cluster_for, collective_seconds, load_cluster, reshard, resolve_cluster
 from metadist.cost.calibrate import cluster_from_report, cluster_over_mesh, fit_link
+from metadist.cost.comm import resharding_local_copies
 from metadist.cost.compute import Work, compute_seconds, node_work
 from metadist.cost.memory import liveness
 from metadist.ir import Mesh, Partial, Replicate, Shard, TensorSpec
@@ -79,9 +80,21 @@ def test_the_search_prices_each_collective_with_the_copies_of_a_coalesced_call(s
     assert bool(copies) == (kind != "all_to_all")
 
 
-def test_slicing_a_replicated_value_is_free_and_steps_follow_the_lowering():
+def test_slicing_a_replicated_value_moves_nothing_but_copies_its_piece_and_steps_follow_the_lowering():
+    from metadist.cost.compute import copy_seconds
+
     cluster = cluster_for("h100-ib", Mesh((2, 8)))
-    assert reshard(SPEC, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster).comm_s == 0.0
+    sliced = reshard(SPEC, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster)
+    assert sliced.collectives == ()
+    # the lowering slices on each axis in turn, and the runtime clones each slice (runtime.collectives.local_slice)
+    pieces = [copy_seconds(cluster.device, SPEC.dtype, SPEC.numel / parts) for parts in (2, 16)]
+    assert sorted(resharding_local_copies(SPEC, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster.mesh)) == \
+        [SPEC.numel / 16, SPEC.numel / 2]
+    assert sliced.comm_s == sliced.local_s == pytest.approx(sum(pieces))
+    # an uneven value takes the lowering's own steps: the same copies of its largest pieces
+    odd = TensorSpec((1023, 1024), "float32")
+    assert sorted(resharding_local_copies(odd, (Replicate(), Replicate()), (Shard(0), Shard(1)), cluster.mesh)) == \
+        [512 * 128.0, 512 * 1024.0]
     move = reshard(SPEC, (Partial(), Replicate()), (Replicate(), Shard(0)), cluster).collectives
     assert [m.kind for m in move] == ["all_reduce"]
     # the lowering reduces first, then slices (metadist.lowering.reshard's phases): the whole value is all-reduced
@@ -852,8 +865,11 @@ def test_data_parallel_estimate_prices_gradient_reductions_as_buckets():
     assert bucketed["collectives_by_kind"] == alone["collectives_by_kind"] == {"all_gather": 1, "all_reduce": 2}
     link = cluster.link(0)
     fixed_all_reduce = link.call_overhead_s + 6 * link.latency_s
-    # g0's all-reduce is bucketed (share 1/6), and g1's gather (read by q1, made before the update) too; the loss's
-    # all-reduce, an output that replaces nothing, pays 0.99 of a call (it may be alone in it)
     fixed_gather = link.call_overhead_s + 3 * link.latency_s
-    saved = (1 - 1 / 6) * (fixed_all_reduce + fixed_gather) + (1 - 0.99) * fixed_all_reduce
-    assert alone["comm_s"] - bucketed["comm_s"] == pytest.approx(saved)
+    # g0's all-reduce is bucketed (share 1/6), and g1's gather (read by q1, made before the update) too; the loss's
+    # all-reduce, an output that replaces nothing, pays 0.99 of a call: the shares the search prices
+    shares = (1 / 6) * (fixed_all_reduce + fixed_gather) + 0.99 * fixed_all_reduce
+    # the calls they make: the loss's all-reduce joins the gradient's (same kind, axis, op, dtype), the gather its own
+    assert bucketed["coalesced_s"] == pytest.approx(fixed_all_reduce + fixed_gather - shares)
+    assert alone["coalesced_s"] == 0.0
+    assert alone["comm_s"] - bucketed["comm_s"] == pytest.approx(fixed_all_reduce)

@@ -111,8 +111,9 @@ def test_plans_are_deterministic_and_round_trip_through_json():
 def test_objective_bounds_the_estimate_and_state_outputs_end_where_they_started():
     graph, rules = mlp_step(1024, 512, 2048, layers=2)
     plan = plan_graph(graph, rules, cluster_for("h100-ib", Mesh((2, 4))))
-    # the ILP prices every edge; the estimate prices a resharding shared by several readers once, as the runtime runs it
-    assert plan.solver["objective_s"] >= plan.estimate["step_s"] * (1 - 1e-9)
+    # the ILP prices every edge; the estimate prices a resharding shared by several readers once, as the runtime runs
+    # it, and the coalesced calls the plan makes where the objective shares their fixed costs (coalesced_s)
+    assert plan.solver["objective_s"] >= (plan.estimate["step_s"] - plan.estimate["coalesced_s"]) * (1 - 1e-9)
     for out, sharding in zip(graph.outputs, plan.output_shardings):
         if out.replaces:
             assert sharding == plan.input_shardings[out.replaces]
@@ -355,7 +356,7 @@ def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch)
     assert set(plan.solver["baselines_checked"]) == set(baselines)
     assert "layout, solved on the same problem" in plan.solver["method"]
     assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
-    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"], rel=1e-4)
+    assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"] - plan.estimate["coalesced_s"], rel=1e-4)
 
 
 def test_when_the_relaxation_runs_out_of_time_branch_and_bound_starts_from_the_replicated_plan(monkeypatch, caplog):

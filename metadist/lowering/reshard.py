@@ -283,6 +283,35 @@ def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh
                  for step in steps if step.kind in COLLECTIVE_KINDS)
 
 
+def origin_local_steps(global_shape: Sequence[int], itemsize: int, source: Sequence, target: Sequence, mesh: Mesh, *,
+                       what: str = "a value") -> tuple[ReshardStep, ...]:
+    """The steps of :func:`plan_resharding` on the rank at coordinate 0 that are not collectives (local slices, pads,
+    unpads, zeroed partials): what the rank copies beside its calls (:func:`metadist.lowering.copies.step_copies`)."""
+    source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
+    if source == target:
+        return ()
+    steps = _build(global_shape, itemsize, source, target, mesh, (0,) * mesh.ndim, what)
+    return tuple(step for step in steps if step.kind not in COLLECTIVE_KINDS)
+
+
+def even_local_template(rank: int, source: Sequence, target: Sequence, mesh: Mesh) -> tuple[int, tuple[ReshardStep, ...]]:
+    """(elements, steps) of :func:`origin_local_steps` on the smallest shape of ``rank`` dims that both shardings cut
+    evenly (as :func:`even_collective_template` builds it): on any even value of that rank a step's pieces are the
+    same fraction of the whole."""
+    source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
+    if source == target:
+        return 1, ()
+    pieces = [1] * rank
+    for sharding in (source, target):
+        cuts = [1] * rank
+        for axis, placement in enumerate(sharding):
+            if placement.__class__ is Shard:
+                cuts[placement.dim] *= mesh.shape[axis]
+        pieces = [math.lcm(have, cut) for have, cut in zip(pieces, cuts)]
+    steps = _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
+    return math.prod(pieces), tuple(step for step in steps if step.kind not in COLLECTIVE_KINDS)
+
+
 def _build(global_shape, itemsize, source: tuple, target: tuple, mesh: Mesh, coords, what: str) -> list[ReshardStep]:
     build = _Builder(global_shape, itemsize, source, mesh, coords, what)
     build.local(source)  # reject a source or target that names a dim the value lacks before any step

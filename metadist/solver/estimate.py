@@ -2,12 +2,15 @@
 
 This evaluates an assignment edge by edge and value by value on the full graph (no tying, no
 merging), so the ILP's plan, beam search's plan and the baselines are priced the same way,
-bucketed edges included (:mod:`metadist.cost.bucketing`: a DDP baseline's gradient
-all-reduces share their fixed cost as the solver's plan's do).
+bucketed edges included (:mod:`metadist.cost.bucketing`): the reshardings the runtime coalesces
+are priced as the calls they make, one fixed cost per bucket of each (kind, axis, reduce op,
+dtype) the assignment uses, where the search's objective shares the fixed costs by an estimate
+(``coalesced_s`` is the difference).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -15,8 +18,8 @@ from ..cost import (
     OUTPUT_CONSUMER, Bucketing, Cluster, bucketing_for, collective_seconds, compute_seconds, halo_exchange_bytes, local_nbytes, node_work,
     reshard,
 )
-from ..cost.comm import sync_corrections, waits_by_gap
-from ..ir import Graph
+from ..cost.comm import fixed_seconds, sync_corrections, waits_by_gap
+from ..ir import Graph, Partial
 from ..ir.plan import NodeStrategy
 
 
@@ -61,8 +64,9 @@ class _ShardingNumbers:
 
 def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], bucketing: Bucketing,
            numbering: _ShardingNumbers | None = None):
-    """(spec, source sharding, needed sharding, fixed-cost share, position) of every resharding the runtime runs,
-    ``position`` the index of the node that reads it first (the node count for a graph output).
+    """(spec, source sharding, needed sharding, fixed-cost share, position, bucketed) of every resharding the runtime
+    runs, ``position`` the index of the node that reads it first (the node count for a graph output), ``bucketed``
+    whether the runtime coalesces it (:meth:`~metadist.cost.bucketing.Bucketing.bucketed`).
 
     As the lowering does (:meth:`metadist.lowering.program._Lowering.use`), a value resharded to one sharding is
     resharded once, whoever reads it: later readers (and a graph output) that need that sharding share the result,
@@ -83,18 +87,28 @@ def _edges(graph: Graph, assignment: Assignment, produced: Mapping[str, tuple], 
     for position, node in enumerate(graph.nodes):
         for name, needed in zip(node.input_names, assignment.node_strategies[node.name].inputs):
             if first(name, needed):
-                yield graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name), position
+                yield (graph.value(name).spec, produced[name], needed, bucketing.share(name, node.name), position,
+                       bucketing.bucketed(name, node.name))
     for graph_output in graph.outputs:
         src = produced[graph_output.name]
         dst = assignment.input_shardings[graph_output.replaces] if graph_output.replaces else final_output_sharding(src)
         if first(graph_output.name, dst):
             yield (graph.value(graph_output.name).spec, src, dst, bucketing.share(graph_output.name, OUTPUT_CONSUMER),
-                   len(graph.nodes))
+                   len(graph.nodes), bucketing.bucketed(graph_output.name, OUTPUT_CONSUMER))
 
 
 def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucketing: Bucketing | None = None,
                   produced: Mapping[str, tuple] | None = None, node_seconds: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Seconds and bytes per mesh axis, and collectives by kind (bucketed edges: see :mod:`metadist.cost.bucketing`).
+
+    ``local_copy_s``: the copies the reshardings' local steps make (a local slice's clone:
+    :func:`~metadist.cost.comm.resharding_local_copies`), a part of the step beside its compute and calls.
+
+    A coalesced resharding (:meth:`~metadist.cost.bucketing.Bucketing.bucketed`) is priced by its bytes here; the
+    calls the coalesced ones make are priced after: per (kind, axis, reduce op, dtype) they use, one fixed cost
+    (:func:`~metadist.cost.comm.fixed_seconds`) per bucket of their bytes, run where the first of them stands (as
+    :mod:`metadist.lowering.coalesce` forms them). ``coalesced_s`` is what that adds to the fixed-cost shares the
+    reshardings' own prices hold (the search's objective prices the shares: :mod:`metadist.cost.bucketing`).
 
     ``produced``: :func:`value_shardings` of the assignment, where the caller has it. ``node_seconds`` (node name ->
     compute seconds): with it, on a link that measured :attr:`~metadist.cost.cluster.Link.sync_by_gap`, each call's
@@ -110,6 +124,9 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
     cache: dict[tuple, Any] = {}
     by_gap = node_seconds is not None and waits_by_gap(cluster)
     calls: list[tuple[int, float, int]] = []  # (position, fixed-cost share, axis) of each call, for the waits by gap
+    # (kind, axis, reduce op, dtype) of coalesced reshardings -> [first position, bytes sent, fixed cost their shares paid]
+    coalesced: dict[tuple, list] = {}
+    local_copy_s = 0.0
     for position, node in enumerate(graph.nodes):
         strategy = assignment.node_strategies[node.name]
         for axis, halo in enumerate(strategy.halos):
@@ -122,19 +139,37 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
                     kinds["halo_exchange"] = kinds.get("halo_exchange", 0) + 1
                     if by_gap:
                         calls.append((position, 1.0, axis))
-    for spec, src, dst, share, position in _edges(graph, assignment, produced, bucketing, number):
+    for spec, src, dst, share, position, bucketed in _edges(graph, assignment, produced, bucketing, number):
         key = (spec, number(src), number(dst), share)
         if key not in cache:
             cache[key] = reshard(spec, src, dst, cluster, share)
+        local_copy_s += cache[key].local_s
         for collective in cache[key].collectives:
-            comm_s[names[collective.axis]] += collective.comm_s
-            comm_bytes[names[collective.axis]] += collective.comm_bytes
+            axis = collective.axis
+            comm_s[names[axis]] += collective.comm_s
+            comm_bytes[names[axis]] += collective.comm_bytes
             kinds[collective.kind] = kinds.get(collective.kind, 0) + 1
-            if by_gap:
-                calls.append((position, 1.0 if collective.kind == "all_to_all" else share, collective.axis))
+            if bucketed and collective.kind != "all_to_all":  # all-to-alls are not coalesced
+                placement = src[axis]
+                group = (collective.kind, axis, placement.op if isinstance(placement, Partial) else None, spec.dtype)
+                entry = coalesced.setdefault(group, [position, 0.0, 0.0])
+                entry[0] = min(entry[0], position)
+                entry[1] += collective.comm_bytes
+                entry[2] += share * fixed_seconds(collective.kind, cluster.mesh.shape[axis], cluster.link(axis))
+            elif by_gap:
+                calls.append((position, 1.0, axis))
+    coalesced_s = 0.0
+    for (kind, axis, _, _), (position, sent, shares_s) in coalesced.items():
+        buckets = max(1, math.ceil(sent / bucketing.cap_bytes))
+        extra = buckets * fixed_seconds(kind, cluster.mesh.shape[axis], cluster.link(axis)) - shares_s
+        comm_s[names[axis]] += extra
+        coalesced_s += extra
+        if by_gap:
+            calls.extend((position, 1.0, axis) for _ in range(buckets))
     if by_gap and calls:
         _add_waits_by_gap(graph, cluster, node_seconds, calls, comm_s)
-    return {"comm_s_by_axis": comm_s, "comm_bytes_by_axis": comm_bytes, "collectives_by_kind": dict(sorted(kinds.items()))}
+    return {"comm_s_by_axis": comm_s, "comm_bytes_by_axis": comm_bytes, "collectives_by_kind": dict(sorted(kinds.items())),
+            "coalesced_s": coalesced_s, "local_copy_s": local_copy_s}
 
 
 def _add_waits_by_gap(graph: Graph, cluster: Cluster, node_seconds: Mapping[str, float],
@@ -235,7 +270,7 @@ def memory(graph: Graph, assignment: Assignment, cluster: Cluster, lives, produc
 
 def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, bucketing: Bucketing | None = None,
              facts: "NodeFacts | None" = None) -> dict[str, Any]:
-    """Step time (compute + communication, no overlap assumed) and memory per device.
+    """Step time (compute + communication + the reshardings' local copies, no overlap assumed) and memory per device.
 
     ``facts``: :func:`node_facts` of ``graph``, for a caller that estimates many assignments of one graph.
     """
@@ -244,7 +279,7 @@ def estimate(graph: Graph, assignment: Assignment, cluster: Cluster, lives, buck
     produced = value_shardings(graph, assignment)
     comm = communication(graph, assignment, cluster, bucketing, produced, node_seconds)
     comm_s = sum(comm["comm_s_by_axis"].values())
-    result: dict[str, Any] = {"step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s}
+    result: dict[str, Any] = {"step_s": compute_s + comm_s + comm["local_copy_s"], "compute_s": compute_s, "comm_s": comm_s}
     result.update(comm)
     result.update(memory(graph, assignment, cluster, lives, produced))
     return result

@@ -126,7 +126,7 @@ def stage_figures(graph: Graph, stage: Stage, plan: Plan, cluster: Cluster) -> S
         spec = graph.value(name).spec
         key = (spec, src, dst, bucketing.share(name, consumer))
         if key not in cache:
-            cache[key] = sum(c.comm_s for c in reshard(spec, src, dst, cluster, key[3]).collectives)
+            cache[key] = reshard(spec, src, dst, cluster, key[3]).comm_s
         return cache[key]
 
     for node in graph.nodes:
