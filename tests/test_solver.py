@@ -340,6 +340,21 @@ def test_a_budget_below_every_peaks_floor_is_infeasible_with_nothing_solved(monk
         ShardingILP(problem, 1.1 * smallest).solve(60.0)
 
 
+def test_a_plan_whose_coalesced_calls_cost_more_than_their_shares_is_compared_with_the_baselines():
+    """The objective shares a coalesced call's fixed cost among every update-phase value (buckets / values); the
+    estimate prices the calls the plan makes, one per bucket of each kind, axis, reduce op and dtype. Where those cost
+    more than their shares by over 0.5 % of the step, the optimal plan of the objective is compared with the baselines'
+    layouts by the estimate, and here data parallelism's one all-reduce wins."""
+    graph, rules = mlp_step(256, 64, 256, layers=2)
+    cluster = cluster_for("cpu-gloo", Mesh((4,)))
+    plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
+    assert plan.solver["baselines_reason"].startswith("the plan's coalesced calls cost")
+    assert plan.solver["method"].startswith("dp layout, solved on the same problem")
+    baselines = {kind: baseline_plan(graph, rules, cluster, kind).estimate["step_s"] for kind in ("dp", "zero2", "zero3", "megatron")}
+    assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
+    assert plan.solver["baselines_checked"]["dp"] == pytest.approx(plan.estimate["step_s"], rel=1e-6)
+
+
 def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch):
     from metadist.solver.ilp import ShardingILP, Solution
     from metadist.solver.local_search import objective_s
