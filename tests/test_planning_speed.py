@@ -46,8 +46,12 @@ def test_kept_resharding_steps_equal_fresh_ones_uneven_pieces_included():
 
 @pytest.mark.parametrize("mesh", [MESH, Mesh((2, 1, 3)), Mesh((4, 2)), Mesh((2, 2, 2))], ids=str)
 def test_even_values_take_their_steps_from_a_shape_free_template_that_equals_the_lowering(mesh):
+    from metadist.lowering.copies import step_copies
+
     comm._STEPS.clear()
     comm._TEMPLATES.clear()
+    comm._LOCAL_COPIES.clear()
+    comm._LOCAL_TEMPLATES.clear()
     specs = (TensorSpec((24, 12, 8), "float32"), TensorSpec((48, 6, 16), "bfloat16"), TensorSpec((96, 24, 40), "int64"),
              TensorSpec((7, 5, 3), "float32"), TensorSpec((0, 4, 8), "float32"), TensorSpec((12,), "float32"))
     placements = (R, P, Shard(0), Shard(1), Shard(2)) if mesh.ndim == 2 else (R, P, Shard(0), Shard(2))
@@ -61,10 +65,15 @@ def test_even_values_take_their_steps_from_a_shape_free_template_that_equals_the
                     comm.resharding_collectives(spec, src, dst, mesh)
                 continue
             assert comm.resharding_collectives(spec, src, dst, mesh) == expected, (spec, src, dst)
+            # and the copies of its local steps (slices, pads) as the lowering's steps at the origin make them
+            local = [float(elements) for step in plan_resharding(spec.shape, spec.itemsize, src, dst, mesh, (0,) * mesh.ndim)
+                     if step.kind not in COLLECTIVE_KINDS for elements in step_copies(step)]
+            assert list(comm.resharding_local_copies(spec, src, dst, mesh)) == pytest.approx(local), (spec, src, dst)
             checked += 1
     assert checked > 1000
     # the even values of one rank share their templates (the uneven and the empty ones make none)
     assert 0 < len(comm._TEMPLATES) <= len(placements) ** (2 * mesh.ndim) * 2
+    assert 0 < len(comm._LOCAL_TEMPLATES) <= len(placements) ** (2 * mesh.ndim) * 2
 
 
 def test_the_collectives_at_the_origin_are_the_planned_steps_on_a_mesh_with_an_axis_of_one():

@@ -267,15 +267,7 @@ def even_collective_template(rank: int, source: Sequence, target: Sequence, mesh
     source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
     if source == target:
         return ()
-    pieces = [1] * rank
-    for sharding in (source, target):
-        cuts = [1] * rank
-        for axis, placement in enumerate(sharding):
-            if placement.__class__ is Shard:
-                cuts[placement.dim] *= mesh.shape[axis]
-        pieces = [math.lcm(have, cut) for have, cut in zip(pieces, cuts)]
-    total = math.prod(pieces)
-    steps = _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
+    total, steps = _smallest_even_steps(rank, source, target, mesh)
     if any(step.kind in ("pad", "unpad") for step in steps):  # pragma: no cover - even shapes are never padded
         raise LoweringError("internal: an even resharding was padded")
     return tuple((step.kind, step.axis, total // math.prod(step.local_shape_in),
@@ -301,6 +293,13 @@ def even_local_template(rank: int, source: Sequence, target: Sequence, mesh: Mes
     source, target = _on_real_axes(source, mesh), _on_real_axes(target, mesh)
     if source == target:
         return 1, ()
+    total, steps = _smallest_even_steps(rank, source, target, mesh)
+    return total, tuple(step for step in steps if step.kind not in COLLECTIVE_KINDS)
+
+
+def _smallest_even_steps(rank: int, source: tuple, target: tuple, mesh: Mesh) -> tuple[int, list[ReshardStep]]:
+    """(elements, steps at the origin) of the resharding of the smallest shape of ``rank`` dims that both shardings
+    (on the mesh's real axes) cut evenly: each dim the least common multiple of its cuts under either."""
     pieces = [1] * rank
     for sharding in (source, target):
         cuts = [1] * rank
@@ -308,8 +307,7 @@ def even_local_template(rank: int, source: Sequence, target: Sequence, mesh: Mes
             if placement.__class__ is Shard:
                 cuts[placement.dim] *= mesh.shape[axis]
         pieces = [math.lcm(have, cut) for have, cut in zip(pieces, cuts)]
-    steps = _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
-    return math.prod(pieces), tuple(step for step in steps if step.kind not in COLLECTIVE_KINDS)
+    return math.prod(pieces), _build(tuple(pieces), 1, source, target, mesh, (0,) * mesh.ndim, "a value")
 
 
 def _build(global_shape, itemsize, source: tuple, target: tuple, mesh: Mesh, coords, what: str) -> list[ReshardStep]:
