@@ -124,7 +124,7 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
     cache: dict[tuple, Any] = {}
     by_gap = node_seconds is not None and waits_by_gap(cluster)
     calls: list[tuple[int, float, int]] = []  # (position, fixed-cost share, axis) of each call, for the waits by gap
-    # (kind, axis, reduce op, dtype) of coalesced reshardings -> [first position, bytes sent, fixed cost their shares paid]
+    # (kind, axis, reduce op, dtype) of coalesced reshardings -> [first position, bytes sent, their fixed-cost shares]
     coalesced: dict[tuple, list] = {}
     local_copy_s = 0.0
     for position, node in enumerate(graph.nodes):
@@ -155,13 +155,13 @@ def communication(graph: Graph, assignment: Assignment, cluster: Cluster, bucket
                 entry = coalesced.setdefault(group, [position, 0.0, 0.0])
                 entry[0] = min(entry[0], position)
                 entry[1] += collective.comm_bytes
-                entry[2] += share * fixed_seconds(collective.kind, cluster.mesh.shape[axis], cluster.link(axis))
+                entry[2] += share
             elif by_gap:
                 calls.append((position, 1.0, axis))
     coalesced_s = 0.0
-    for (kind, axis, _, _), (position, sent, shares_s) in coalesced.items():
+    for (kind, axis, _, _), (position, sent, shares) in coalesced.items():  # one fixed cost per (kind, axis)
         buckets = max(1, math.ceil(sent / bucketing.cap_bytes))
-        extra = buckets * fixed_seconds(kind, cluster.mesh.shape[axis], cluster.link(axis)) - shares_s
+        extra = (buckets - shares) * fixed_seconds(kind, cluster.mesh.shape[axis], cluster.link(axis))
         comm_s[names[axis]] += extra
         coalesced_s += extra
         if by_gap:
