@@ -90,7 +90,7 @@ def test_a_search_priced_unlike_the_estimate_still_never_costs_more_than_a_basel
     dp = baseline_plan(graph, rules, cluster, "dp")
     monkeypatch.setattr(problem_module._Pricing, "value", per_reader)
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
-    assert set(plan.solver["baselines_checked"]) == {"dp", "zero2", "zero3", "megatron"}
+    assert set(plan.solver["baselines_checked"]) == {"dp", "zero2", "zero3", "megatron", "replicated"}
     assert "largest share" in plan.solver["baselines_reason"]
     assert "layout, solved on the same problem" in plan.solver["method"]  # the mispriced search's own plan cost more
     assert plan.estimate["step_s"] <= dp.estimate["step_s"] * (1 + 1e-9)

@@ -340,19 +340,31 @@ def test_a_budget_below_every_peaks_floor_is_infeasible_with_nothing_solved(monk
         ShardingILP(problem, 1.1 * smallest).solve(60.0)
 
 
-def test_a_plan_whose_coalesced_calls_cost_more_than_their_shares_is_compared_with_the_baselines():
+@pytest.mark.parametrize("batch, winner", [(384, "dp"), (256, "replicated")])
+def test_a_plan_whose_coalesced_calls_cost_more_than_their_shares_is_compared_with_the_baselines(batch, winner):
     """The objective shares a coalesced call's fixed cost among every update-phase value (buckets / values); the
     estimate prices the calls the plan makes, one per bucket of each kind, axis, reduce op and dtype. Where those cost
-    more than their shares by over 0.5 % of the step, the optimal plan of the objective is compared with the baselines'
-    layouts by the estimate, and here data parallelism's one all-reduce wins."""
-    graph, rules = mlp_step(256, 64, 256, layers=2)
+    more than their shares by over 0.5 % of the step, the optimal plan of the objective is compared by the estimate
+    with the baselines' layouts and with the replicated layout (every rank the whole step, no collective): at 384 rows
+    data parallelism's one all-reduce wins, at 256 the replicated layout (the all-reduce costs more than the compute
+    it saves), each priced as its plan would be."""
+    graph, rules = mlp_step(batch, 64, 256, layers=2)
     cluster = cluster_for("cpu-gloo", Mesh((4,)))
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
     assert plan.solver["baselines_reason"].startswith("the plan's coalesced calls cost")
-    assert plan.solver["method"].startswith("dp layout, solved on the same problem")
+    checked = plan.solver["baselines_checked"]
+    assert set(checked) == {"dp", "zero2", "zero3", "megatron", "replicated"}
     baselines = {kind: baseline_plan(graph, rules, cluster, kind).estimate["step_s"] for kind in ("dp", "zero2", "zero3", "megatron")}
     assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
-    assert plan.solver["baselines_checked"]["dp"] == pytest.approx(plan.estimate["step_s"], rel=1e-6)
+    assert plan.estimate["step_s"] == pytest.approx(min(checked.values()), rel=1e-6)
+    assert checked[winner] == pytest.approx(plan.estimate["step_s"], rel=1e-6)
+    if winner == "dp":
+        assert plan.solver["method"].startswith("dp layout, solved on the same problem")
+        assert checked["replicated"] > plan.estimate["step_s"]
+    else:
+        assert plan.solver["method"].startswith("replicated layout")
+        assert all(all(choice.kind == "replicate" for choice in strategy.choices) for strategy in plan.node_strategies.values())
+        assert plan.estimate["comm_s"] == 0 and plan.estimate["step_s"] < baselines["dp"]
 
 
 def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch):
@@ -368,7 +380,7 @@ def test_a_plan_not_proven_optimal_never_costs_more_than_a_baseline(monkeypatch)
     baselines = {kind: baseline_plan(graph, rules, cluster, kind).estimate["step_s"] for kind in ("dp", "zero2", "zero3", "megatron")}
     monkeypatch.setattr(ShardingILP, "solve", poor_search)
     plan = plan_graph(graph, rules, cluster, memory_budget_bytes=float("inf"))
-    assert set(plan.solver["baselines_checked"]) == set(baselines)
+    assert set(plan.solver["baselines_checked"]) == {*baselines, "replicated"}
     assert "layout, solved on the same problem" in plan.solver["method"]
     assert plan.estimate["step_s"] <= min(baselines.values()) * (1 + 1e-6)
     assert plan.solver["objective_s"] == pytest.approx(plan.estimate["step_s"] - plan.estimate["coalesced_s"], rel=1e-4)

@@ -109,12 +109,12 @@ def compile_plan_inputs(workload: Workload, ctx: RankContext, api: Mapping[str, 
 
 
 MATMUL_TIMING_SHOWN_S = 0.05
-"""A compile stage ``matmul timing`` is reported when timing the step's narrow matmuls (or waiting for rank 0 to) took
-at least this long: the first plan of a bfloat16 step on a machine (:mod:`metadist.cost.matmul_times`)."""
+"""A compile stage ``matmul timing`` is reported when timing the step's matmuls (or waiting for rank 0 to) took
+at least this long: the first plan of a step on a machine (:mod:`metadist.cost.matmul_times`)."""
 
 
 def _with_step_matmuls(cluster: Any, graph: Any, ctx: RankContext) -> Any:
-    """``cluster`` pricing the step's bfloat16 and float16 matmuls and its fused attention at their times on this
+    """``cluster`` pricing the step's matmuls and its fused attention at their times on this
     machine (:mod:`metadist.cost.matmul_times`, :mod:`metadist.cost.attention_times`): timed by rank 0 while the
     others wait, then read from the cache by every rank. A cluster other than this machine's calibrated one is
     returned as it is."""

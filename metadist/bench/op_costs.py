@@ -84,7 +84,7 @@ def measure(model: str, repeats: int, cluster_name: str | None, batch_size: int 
     step = capture_step(workload.train_step(), workload.model, optimizer, workload.batch, name=workload.name or model,
                         precision=precision)
     graph = step.graph
-    if cluster_name is None:  # as a plan on this machine prices them: narrow matmuls and attention at their timed shapes
+    if cluster_name is None:  # as a plan on this machine prices them: matmuls and attention at their timed shapes
         from ..cost.timed_shapes import with_measured_shapes
 
         cluster = with_measured_shapes(cluster, graph, settings_from_env().cache_dir)

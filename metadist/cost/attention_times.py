@@ -12,7 +12,7 @@ So a step planned on this machine's calibrated cluster times each fused attentio
 or the value width, or to none, as the largest piece's shapes), forward and backward, one thread, one process at a
 time; the cost model prices such a node at its measured seconds (:meth:`~.cluster.Device.measured_attention_s`) times
 the calibration's sustained slowdown. The times are cached per machine and torch version beside the calibration
-(:func:`table_path`), as the narrow matmuls' are (:mod:`.matmul_times`), and only missing shapes are timed. A shape
+(:func:`table_path`), as the matmuls' are (:mod:`.matmul_times`), and only missing shapes are timed. A shape
 whose roofline price exceeds :data:`~.matmul_times.LONGEST_TIMED_S`, or any past
 :data:`~.matmul_times.TIMING_BUDGET_S` of timing in one call, keeps its roofline price (the log says how many).
 

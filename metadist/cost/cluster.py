@@ -240,8 +240,8 @@ class Device:
     matmul_seconds: tuple[tuple[MatmulKey, float], ...] = ()
     """Measured seconds of matmuls by local shape, as (``(dtype, layout, batch, m, k, n)``, seconds) pairs (``batch``
     0 for a plain matmul; ``layout`` as :attr:`matmul_curves`'s): a node whose local matmul is listed is priced at its
-    time, beyond ``op_overhead_s``, instead of on the curves. Filled for a step's bfloat16 and float16 matmuls on this
-    machine's calibrated CPU cluster (:func:`~.matmul_times.with_measured_matmuls`), the sustained slowdown applied;
+    time, beyond ``op_overhead_s``, instead of on the curves. Filled for a step's float32, bfloat16 and float16 matmuls
+    on this machine's calibrated CPU cluster (:func:`~.matmul_times.with_measured_matmuls`), the sustained slowdown applied;
     empty for the presets."""
     attention_seconds: tuple[tuple[AttentionKey, float], ...] = ()
     """Measured seconds of fused attention calls (``scaled_dot_product_attention``'s CPU kernel, forward and backward)

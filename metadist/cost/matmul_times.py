@@ -1,4 +1,4 @@
-"""Matmuls of a step's own local shapes in a narrow dtype, timed on this machine (issue #16, part 2).
+"""Matmuls of a step's own local shapes, timed on this machine (issue #16, part 2).
 
 A CPU's bfloat16 and float16 matmul kernels run at rates that depend on the shape as much as on the FLOPs and the
 layout: on this project's 2-core machine, one thread, gpt2-tiny's bfloat16 step (batch 16 x 64) has a row-major
@@ -6,10 +6,16 @@ layout: on this project's 2-core machine, one thread, gpt2-tiny's bfloat16 step 
 on square matmuls (``Device.matmul_curves``) gives 1.1 and 1.0; and a ``[1024, 64] x [64, 1000]`` with its second
 operand transposed at 3.7 GFLOP/s where the ``nt`` curve gives 7.0. Priced on the curves, that step came out at 1.52x
 its time (413 ms against 271, ``python -m metadist.bench.op_costs gpt2-tiny --batch-size 16 --seq-len 64 --precision
-bf16``), and the bench's bfloat16 rows at 0.63-0.83 measured over predicted. float32 matmuls run at one rate whatever
-their layout or aspect (61-67 GFLOP/s a thread here) and keep the curves.
+bf16``), and the bench's bfloat16 rows at 0.63-0.83 measured over predicted. float32 matmuls ran at one rate whatever
+their layout or aspect there (61-67 GFLOP/s a thread) and kept the curves up to the forty-ninth session.
 
-So a step planned on this machine's calibrated cluster times each matmul it may run in a narrow dtype, once per
+float32 matmuls are now timed by shape too (:data:`TIMED_DTYPES`): on a later 2-core machine (AMD EPYC, 1 MiB of L2 a
+core) a one-thread float32 matmul of llama-tiny's shapes ran 1.24-1.87x its square-curve price (45-74 GFLOP/s, the
+64-wide ones slowest) and mixtral-mini's expert ``bmm`` 1.07-1.57x, and inside llama-tiny's rank program its plan's
+float32 matmuls ran at about 1.5x their price where the timed bfloat16 ones ran at theirs (planning notes, fiftieth
+session).
+
+So a step planned on this machine's calibrated cluster times each matmul it may run, once per
 local shape (:func:`matmul_keys`: every split of its dims over the mesh axes, as the largest piece's shape), in its
 layout, one thread, one process at a time, and the cost model prices such a node at its measured seconds
 (:meth:`~.cluster.Device.measured_matmul_s`) times the calibration's sustained slowdown. The times are cached per
@@ -33,13 +39,17 @@ from .cluster import Cluster, MatmulKey
 from .compute import _BATCHED, Work, compute_dtype, node_work
 from .timed_shapes import read_times, with_timed, write_times
 
-__all__ = ["NARROW_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table", "with_measured_matmuls",
+__all__ = ["NARROW_DTYPES", "TIMED_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table", "with_measured_matmuls",
            "time_matmul"]
 
 logger = logging.getLogger(__name__)
 
 NARROW_DTYPES = ("bfloat16", "float16")
-"""The dtypes whose matmuls are timed by shape (float32's run at one rate a thread whatever their shape or layout)."""
+"""The narrow dtypes: their CPU matmul kernels' rates depend on the layout most (the runtime reads a narrow matmul's
+``nt``/``tn`` operand layout from the capture, :mod:`metadist.runtime.graph_module`)."""
+
+TIMED_DTYPES = ("float32", *NARROW_DTYPES)
+"""The dtypes whose matmuls are timed by shape (module docstring: float32's too, since the fiftieth session)."""
 
 LONGEST_TIMED_S = 0.5
 """A matmul the curves price above this (one call, before the slowdown) is not timed: it keeps its curve price."""
@@ -66,7 +76,7 @@ def narrow_matmuls(graph: Graph, dtypes: Iterable[str] = NARROW_DTYPES) -> Itera
             yield node, work, dtype
 
 
-def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = NARROW_DTYPES) -> dict[MatmulKey, float]:
+def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = TIMED_DTYPES) -> dict[MatmulKey, float]:
     """Each local matmul shape the step's matmuls in ``dtypes`` may run on ``mesh``, with its FLOPs.
 
     A key is ``(dtype, layout, batch, m, k, n)`` (``batch`` 0 for a plain matmul): the largest piece's shape for every
@@ -154,7 +164,7 @@ def time_matmul(key: MatmulKey) -> float:
 
 def with_measured_matmuls(cluster: Cluster, graph: Graph, cache_dir: Path, *, measure: bool = True,
                           announce=None) -> Cluster:
-    """``cluster`` with its device pricing ``graph``'s narrow-dtype matmuls at their times on this machine.
+    """``cluster`` with its device pricing ``graph``'s matmuls (:data:`TIMED_DTYPES`) at their times on this machine.
 
     The cached times are read; with ``measure``, the shapes missing are timed first (within :data:`TIMING_BUDGET_S`)
     and the cache written (atomically). Only a calibrated CPU cluster is changed (its device has matmul curves, which
@@ -187,7 +197,7 @@ def _time_missing(missing: list[MatmulKey], keys: dict[MatmulKey, float], cluste
 
     wanted = [key for key in missing if curve_s(key) <= LONGEST_TIMED_S * slowdown]
     if announce is not None and len(wanted) > 8:
-        announce(f"timing {len(wanted)} bfloat16/float16 matmul shape(s) of this step on this machine, once; "
+        announce(f"timing {len(wanted)} matmul shape(s) of this step on this machine, once; "
                  f"cached in {path}")
     timed: dict[MatmulKey, float] = {}
     started = time.perf_counter()

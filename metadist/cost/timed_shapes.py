@@ -1,6 +1,6 @@
 """The cache and the pricing shared by the ops a plan times by local shape on this machine (issue #16, part 2).
 
-:mod:`.matmul_times` (narrow-dtype matmuls) and :mod:`.attention_times` (fused attention) each list the local calls a
+:mod:`.matmul_times` (matmuls) and :mod:`.attention_times` (fused attention) each list the local calls a
 step may run (their keys), time the ones missing from a per-machine cache file beside the calibration, and put the
 times into the device the cost model prices with (scaled by the calibration's sustained slowdown). This module is that
 common part: the cache file (:func:`read_times`, :func:`write_times`) and :func:`with_timed`, and
@@ -73,7 +73,7 @@ def with_timed(cluster: Cluster, keys: Mapping[tuple, Any], path: Path, *, read:
 
 def with_measured_shapes(cluster: Cluster, graph: Any, cache_dir: Path, *, measure: bool = True,
                          announce: Callable[[str], None] | None = None) -> Cluster:
-    """``cluster`` with its device pricing ``graph``'s narrow-dtype matmuls
+    """``cluster`` with its device pricing ``graph``'s matmuls
     (:func:`~.matmul_times.with_measured_matmuls`) and its fused attention
     (:func:`~.attention_times.with_measured_attention`) at their times on this machine: how a plan made here prices a
     step. ``measure`` and ``announce`` as theirs."""
