@@ -11,7 +11,7 @@ their layout or aspect there (61-67 GFLOP/s a thread) and kept the curves up to 
 
 float32 matmuls are now timed by shape too (:data:`TIMED_DTYPES`): on a later 2-core machine (AMD EPYC, 1 MiB of L2 a
 core) a one-thread float32 matmul of llama-tiny's shapes ran 1.24-1.87x its square-curve price (45-74 GFLOP/s, the
-64-wide ones slowest) and mixtral-mini's expert ``bmm`` 1.07-1.57x, and inside llama-tiny's rank program its plan's
+64-wide ones slowest) and mixtral-mini's ``bmm``s 1.07-1.57x, and inside llama-tiny's rank program its plan's
 float32 matmuls ran at about 1.5x their price where the timed bfloat16 ones ran at theirs (planning notes, fiftieth
 session).
 

@@ -330,8 +330,8 @@ def _searched_with_whole_calls(problem: Problem, solution: Solution, estimates: 
     report.update(step_s=round(found_figures["step_s"], 9), fits=fits, search_s=round(time.perf_counter() - started, 4))
     if fits and found_figures["step_s"] < figures["step_s"] * (1 - 1e-9):
         report["kept"] = "whole calls"
-        return Solution(mapped, objective_s(problem, mapped),
-                        {**solution.stats, "whole_calls": report,
+        return Solution(mapped, objective_s(problem, mapped),  # its stats are the second search's (its gap to its bound)
+                        {**solution.stats, **found.stats, "whole_calls": report,
                          "method": f"{found.stats.get('method', 'ILP')}, every coalesced resharding priced as a call of its own"})
     report["kept"] = "shares"
     return Solution(solution.choice, solution.objective_s, {**solution.stats, "whole_calls": report})
