@@ -39,8 +39,8 @@ from .cluster import Cluster, MatmulKey
 from .compute import _BATCHED, Work, compute_dtype, node_work
 from .timed_shapes import read_times, with_timed, write_times
 
-__all__ = ["NARROW_DTYPES", "TIMED_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table", "with_measured_matmuls",
-           "time_matmul"]
+__all__ = ["NARROW_DTYPES", "TIMED_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table",
+           "with_measured_matmuls", "time_matmul"]
 
 logger = logging.getLogger(__name__)
 

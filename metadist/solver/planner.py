@@ -307,8 +307,9 @@ def _searched_with_whole_calls(problem: Problem, solution: Solution, estimates: 
     second search's plan (every value replicated) is priced 13.8 and ran 13.8 ms a step against the first plan's 19.5
     (planning notes, fiftieth session). Not run where nothing is coalesced (``NO_BUCKETING``) or on the plan of beam
     search (the caller runs it on ILP plans only), nor on a baseline's problem (inputs pinned, ``Restrictions``): a
-    baseline is the objective's optimum under its restriction, as defined. Run before the baselines are compared (:func:`_baselines_needed`
-    always compares a plan this search found: the bound below the shares' objective does not hold for it)."""
+    baseline is the objective's optimum under its restriction, as defined. Run before the baselines are compared
+    (:func:`_baselines_needed` always compares a plan this search found: the bound below the shares' objective does not
+    hold for it)."""
     figures = estimates.figures(solution.choice)
     if problem.bucketing.cap_bytes <= 0 or restrictions.input_shardings \
             or figures["coalesced_s"] <= BASELINE_CHECK_GAP * figures["step_s"]:
