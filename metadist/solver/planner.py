@@ -12,7 +12,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from ..cost import DEFAULT_BUCKET_CAP_BYTES, NO_BUCKETING, Cluster, bucketing_for
+from ..cost import DEFAULT_BUCKET_CAP_BYTES, NO_BUCKETING, Bucketing, Cluster, bucketing_for
 from ..cost.comm import waits_by_gap
 from ..gc_pause import gc_paused
 from ..ir import Graph, Replicate, Rule
@@ -31,8 +31,8 @@ SOLVERS = ("ilp", "beam")
 MAX_PEAK_ROUNDS = 5
 """How many times a plan whose true memory peak breaks the budget is solved again with that peak added."""
 SHORT_WAIT_SEARCH_S = 10.0
-"""The time limit of the second search, at short waits (:func:`_searched_at_short_waits`), where the caller's is
-longer. It refines a plan already found, and the estimate picks between the two, so its branch and bound gets a bounded
+"""The time limit of a second search (at short waits, :func:`_searched_at_short_waits`; at whole calls,
+:func:`_searched_with_whole_calls`), where the caller's is longer. It refines a plan already found, and the estimate picks between the two, so its branch and bound gets a bounded
 share of the planning time: on this project's 2-core machine, mixtral-mini on a 2x2 mesh of 4 processes, the first
 search was optimal in 1.4 s, the second's branch and bound ran to the 60 s limit (gap 0.97 %), and its plan was
 priced above the first's; the whole solve took 68 s."""
@@ -250,6 +250,21 @@ def _solve(problem: Problem, budget: float | None, solver: str, time_limit_s: fl
     return solution, ilp
 
 
+def _searched_again(problem: Problem, solution: Solution, cluster: Cluster, bucketing: Bucketing,
+                    rules: Mapping[str, Rule], missing: Mapping[str, str], restrictions: Restrictions,
+                    budget: float | None, time_limit_s: float) -> tuple[Problem, Solution | None, float]:
+    """A second search of ``problem``'s graph priced on ``cluster`` and ``bucketing``: (its problem, with the peaks the
+    rounds added; its solution, None where it found none; its time limit, at most :data:`SHORT_WAIT_SEARCH_S`).
+
+    Branch and bound starts from ``solution`` carried into the new problem where the rounded relaxation is dearer:
+    stopped by its limit, the search still ends with a plan no dearer, by its own prices, than that one."""
+    other = build_problem(problem.graph, rules, cluster, restrictions, missing, bucketing)
+    if other.peaks != problem.peaks:
+        other = with_peaks(other, problem.peaks)
+    limit_s = min(time_limit_s, SHORT_WAIT_SEARCH_S)
+    return other, ShardingILP(other, budget).solve(limit_s, start=choice_in(problem, solution.choice, other)), limit_s
+
+
 def _searched_at_short_waits(problem: Problem, solution: Solution, estimates: "_Estimates", rules: Mapping[str, Rule],
                              missing: Mapping[str, str], restrictions: Restrictions, budget: float | None,
                              time_limit_s: float) -> tuple[Problem, Solution, "_Estimates"]:
@@ -266,13 +281,8 @@ def _searched_at_short_waits(problem: Problem, solution: Solution, estimates: "_
     short = replace(cluster, axis_links=tuple(replace(link, sync_s=link.sync_by_gap[0][1]) if link.sync_by_gap else link
                                               for link in cluster.axis_links))
     started = time.perf_counter()
-    other = build_problem(problem.graph, rules, short, restrictions, missing, problem.bucketing)
-    if other.peaks != problem.peaks:  # the peaks the rounds added
-        other = with_peaks(other, problem.peaks)
-    limit_s = min(time_limit_s, SHORT_WAIT_SEARCH_S)
-    # branch and bound starts from the kept plan where the rounded relaxation is dearer: stopped by its limit, the
-    # search still ends with a plan no dearer at short waits than the kept one
-    found = ShardingILP(other, budget).solve(limit_s, start=choice_in(problem, solution.choice, other))
+    other, found, limit_s = _searched_again(problem, solution, short, problem.bucketing, rules, missing, restrictions,
+                                            budget, time_limit_s)
     kept_s = estimates.step_s(solution.choice)
     report: dict[str, Any] = {"step_s_at_long_waits": round(kept_s, 9), "time_limit_s": limit_s}
     if found is None:
@@ -315,11 +325,8 @@ def _searched_with_whole_calls(problem: Problem, solution: Solution, estimates: 
             or figures["coalesced_s"] <= BASELINE_CHECK_GAP * figures["step_s"]:
         return solution
     started = time.perf_counter()
-    other = build_problem(problem.graph, rules, problem.cluster, restrictions, missing, NO_BUCKETING)
-    if other.peaks != problem.peaks:  # the peaks the rounds added
-        other = with_peaks(other, problem.peaks)
-    limit_s = min(time_limit_s, SHORT_WAIT_SEARCH_S)
-    found = ShardingILP(other, budget).solve(limit_s, start=choice_in(problem, solution.choice, other))
+    other, found, limit_s = _searched_again(problem, solution, problem.cluster, NO_BUCKETING, rules, missing,
+                                            restrictions, budget, time_limit_s)
     report: dict[str, Any] = {"step_s_at_shares": round(figures["step_s"], 9), "time_limit_s": limit_s}
     mapped = None if found is None else choice_in(other, found.choice, problem)
     if mapped is None:
@@ -456,28 +463,26 @@ def _no_worse_than_baselines(problem: Problem, ilp: ShardingILP, solution: Solut
     """
     from .baselines import BASELINES, baseline_choices
 
+    def candidates():  # (key, its solution or None, how it was made), each solved only when its turn comes
+        for kind in BASELINES:
+            allowed = baseline_choices(problem, kind)
+            yield (kind, None if allowed is None else ilp.restricted(allowed, time_limit_s),
+                   f"{kind} layout, solved on the same problem")
+        replicated = replicated_choice(problem)
+        if replicated is not None:
+            yield (REPLICATED, Solution(replicated, objective_s(problem, replicated), {}),
+                   "replicated layout: every rank runs the whole step, no collective")
+
     best, best_s, checked, over = solution, estimates.step_s(solution.choice), {}, []
-    for kind in BASELINES:
-        allowed = baseline_choices(problem, kind)
-        candidate = None if allowed is None else ilp.restricted(allowed, time_limit_s)
+    for key, candidate, method in candidates():
         candidate_s = None if candidate is None else estimates.step_s(candidate.choice)
-        checked[kind] = None if candidate_s is None else round(candidate_s, 9)
+        checked[key] = None if candidate_s is None else round(candidate_s, 9)
         if candidate_s is not None and budget is not None \
                 and estimates.figures(candidate.choice)["memory_bytes_peak"] > budget * (1 + 1e-9):
-            over.append(kind)  # its true peak, at a node outside the problem's peaks, breaks the budget
+            over.append(key)  # its true peak (for a baseline, at a node outside the problem's peaks) breaks the budget
         elif candidate_s is not None and candidate_s < best_s * (1 - 1e-9):
             best, best_s = Solution(candidate.choice, candidate.objective_s,
-                                    {**solution.stats, "method": f"{kind} layout, solved on the same problem (the search's plan cost more)"}), candidate_s
-    replicated = replicated_choice(problem)
-    if replicated is not None:
-        figures = estimates.figures(replicated)
-        checked[REPLICATED] = round(figures["step_s"], 9)
-        if budget is not None and figures["memory_bytes_peak"] > budget * (1 + 1e-9):
-            over.append(REPLICATED)
-        elif figures["step_s"] < best_s * (1 - 1e-9):
-            best, best_s = Solution(replicated, objective_s(problem, replicated),
-                                    {**solution.stats, "method": "replicated layout: every rank runs the whole step, no "
-                                                                 "collective (the search's plan cost more)"}), figures["step_s"]
+                                    {**solution.stats, "method": f"{method} (the search's plan cost more)"}), candidate_s
     return Solution(best.choice, best.objective_s, {**best.stats, "baselines_checked": checked, "baselines_reason": reason,
                                                     "baselines_over_budget": over})
 
