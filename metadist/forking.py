@@ -16,7 +16,7 @@ import contextlib
 import os
 from typing import Iterator, Mapping
 
-__all__ = ["FORK_PRELOAD", "chosen_threads", "environment", "fork_server_exists", "launch_environment",
+__all__ = ["FORK_PRELOAD", "FREEZE_MODULE", "chosen_threads", "environment", "fork_server_exists", "launch_environment",
            "rank_environment", "start_fork_server"]
 
 FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "metadist.runtime.build",
@@ -24,6 +24,10 @@ FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "
                 "metadist.runtime.launch")
 """Modules a forked rank's recipe imports (and the launch module, which holds the rank's entry point), imported once
 by the fork server before it forks."""
+
+FREEZE_MODULE = "metadist.forked_heap"
+"""Imported by the fork server after the others: it freezes them out of the garbage collector's sight
+(:mod:`metadist.forked_heap`), so that a forked rank's full collections skip the server's objects."""
 
 
 def fork_server_exists() -> bool:
@@ -84,7 +88,7 @@ def start_fork_server(module: str, nproc: int) -> None:
         return
     from multiprocessing import forkserver
 
-    modules = (*FORK_PRELOAD, module)
+    modules = (*FORK_PRELOAD, module, FREEZE_MODULE)
     with environment(**rank_environment(nproc)):
         started = (dict(os.environ), modules)
         if _SERVER and _SERVER[0] != started:

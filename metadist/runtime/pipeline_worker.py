@@ -50,6 +50,7 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     from ..frontends.torch.repeat import capture_repeated, capture_repeated_step
     from ..frontends.torch.materialize import has_meta_tensors, materialize
     from ..frontends.torch.microbatch import batch_size_of, first_microbatch
+    from ..gc_pause import freeze_survivors
     from ..progress import enter
     from .pipeline import PipelineStep
     from .setup import check_same_everywhere, setup_device_mesh
@@ -71,6 +72,7 @@ def run_pipeline_worker(config: Any, env: Any, reporter: Any, phase_times: Any =
     pp = config.mesh.shape[config.mesh.axis_index(PP_AXIS)]
     global_batch = batch_size_of(workload.batch)
     microbatches = config.microbatches or default_microbatches(pp, global_batch)
+    freeze_survivors()  # the model, optimizer and modules live to the end: later full collections skip them
     enter("capture")
     microbatch = first_microbatch(workload.batch, microbatches)  # a clear error when the count does not divide it
     torch_step = capture_repeated_step(workload.train_step(), workload.model, optimizer, microbatch,

@@ -137,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> int:
     """The recipe; returns the exit status. ``phase_times`` (a listener of this rank's phases) feeds the summary."""
     from ..frontends.torch.repeat import capture_repeated_step
+    from ..gc_pause import freeze_survivors
     from ..ir.plan import Plan, graph_fingerprint
     from ..progress import enter
     from .build import StepOptions, compile_captured, read_plan_source
@@ -165,6 +166,7 @@ def run_worker(config: WorkerConfig, phase_times: PhaseTimes | None = None) -> i
     if config.precision is not None:
         reporter.note(f"precision {policy.describe()}" + ("; loss scaled by a GradScaler" if _scales_loss(config, policy) else ""))
     plan_source = read_plan_source(config.plan)
+    freeze_survivors()  # the model, optimizer and modules live to the end: later full collections skip them
     enter("capture")
     # a deep model's step is captured on 4 of its layers and expanded (frontends.torch.repeat), as `metadist plan` does
     torch_step = capture_repeated_step(train_step, workload.model, optimizer, workload.batch, keep_grads=config.check,
