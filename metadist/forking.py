@@ -23,11 +23,12 @@ FORK_PRELOAD = ("metadist.frontends.torch", "metadist.frontends.torch.repeat", "
                 "metadist.runtime.step", "metadist.runtime.check", "metadist.solver", "metadist.ir.plan",
                 "metadist.runtime.launch")
 """Modules a forked rank's recipe imports (and the launch module, which holds the rank's entry point), imported once
-by the fork server before it forks."""
+by the fork server (through :data:`FREEZE_MODULE`) before it forks."""
 
 FREEZE_MODULE = "metadist.forked_heap"
-"""Imported by the fork server after the others: it freezes them out of the garbage collector's sight
-(:mod:`metadist.forked_heap`), so that a forked rank's full collections skip the server's objects."""
+"""The fork server's first import: it imports :data:`FORK_PRELOAD` with the garbage collector paused, then freezes
+them out of its sight (:mod:`metadist.forked_heap`), so that a forked rank's full collections skip the server's
+objects. The rank's entry point is imported after it."""
 
 
 def fork_server_exists() -> bool:
@@ -88,7 +89,7 @@ def start_fork_server(module: str, nproc: int) -> None:
         return
     from multiprocessing import forkserver
 
-    modules = (*FORK_PRELOAD, module, FREEZE_MODULE)
+    modules = (FREEZE_MODULE, module)
     with environment(**rank_environment(nproc)):
         started = (dict(os.environ), modules)
         if _SERVER and _SERVER[0] != started:

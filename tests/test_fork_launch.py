@@ -201,7 +201,7 @@ def test_a_second_fork_launch_from_another_environment_is_an_error(monkeypatch):
     from metadist import forking
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    started = (dict(os.environ), (*forking.FORK_PRELOAD, "metadist.runtime.worker", forking.FREEZE_MODULE))
+    started = (dict(os.environ), (forking.FREEZE_MODULE, "metadist.runtime.worker"))
     monkeypatch.setattr(forking, "_SERVER", [started])
     monkeypatch.setenv("CHANGED_AFTER_THE_SERVER_STARTED", "1")
     with pytest.raises(RuntimeError, match="changed: CHANGED_AFTER_THE_SERVER_STARTED"):

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..gc_pause import gc_paused
 from .main import UsageError
 
 if TYPE_CHECKING:
@@ -251,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     from ..forking import start_fork_server
 
     start_fork_server("metadist.runtime.worker", args.nproc)
-    from ..runtime.launch import LocalLaunch
+    with gc_paused():  # torch's import (metadist.runtime's): the collector would traverse its objects as they come
+        from ..runtime.launch import LocalLaunch
 
     outcome = launch_and_report(LocalLaunch(module="metadist.runtime.worker", args=tuple(worker_args(args)),
                                             nproc=args.nproc, log_dir=log_dir(args), name=args.model,
