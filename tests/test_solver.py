@@ -342,6 +342,33 @@ def test_a_budget_below_every_peaks_floor_is_infeasible_with_nothing_solved(monk
         ShardingILP(problem, 1.1 * smallest).solve(60.0)
 
 
+def test_a_baseline_whose_restricted_floor_breaks_the_budget_is_refused_with_nothing_solved(monkeypatch):
+    """A baseline's restriction raises each peak's floor (its classes at their smallest among the strategies they may
+    take): where that floor breaks the budget, the restricted problem has no plan and HiGHS is not run to find out
+    (LLaMA-70B on 128x8 under 80 GB: data parallelism, ZeRO-2 and Megatron took ~16 s each so); below it, the
+    restricted relaxation runs and its plan fits."""
+    from metadist.solver.baselines import baseline_choices
+    from metadist.solver.ilp import ShardingILP
+    from metadist.solver.local_search import memory_at_peaks
+    from metadist.solver.problem import build_problem
+
+    graph, rules = mlp_step(4096, 2048, 1024, layers=2)
+    problem = build_problem(graph, rules, H100X8)
+    allowed = baseline_choices(problem, "dp")
+    assert allowed
+    free, restricted = (max(ShardingILP(problem, None).memory_floor_bytes(restriction)) for restriction in (None, allowed))
+    assert restricted > free * 1.5  # every parameter whole on every device, its gradient and optimizer states too
+    runs = []
+    original = ShardingILP._run_lp
+    monkeypatch.setattr(ShardingILP, "_run_lp", lambda self, *args: runs.append(1) or original(self, *args))
+    budget = (free + restricted) / 2
+    ilp = ShardingILP(problem, budget)
+    assert ilp.restricted(allowed, 60.0) is None and not runs
+    roomy = 2 * restricted
+    solution = ShardingILP(problem, roomy).restricted(allowed, 60.0)
+    assert runs and solution is not None and max(memory_at_peaks(problem, solution.choice)) <= roomy
+
+
 @pytest.mark.parametrize("batch", [256, 384])
 def test_a_plan_whose_coalesced_calls_cost_more_than_their_shares_is_searched_again_and_compared_with_the_baselines(batch):
     """The objective shares a coalesced call's fixed cost among every update-phase value (buckets / values); the

@@ -466,6 +466,12 @@ class ShardingILP:
         """
         if self.r:
             raise SolverError("restricted solves know strategies only: build the ILP without recomputation for them")
+        if self.budget is not None and not self.minimize_memory:
+            floor = max(self.memory_floor_bytes(allowed), default=0.0)
+            if floor > self.budget - MEMORY_MARGIN_BYTES:
+                logger.info("ILP: no restricted plan fits: a peak holds at least %.4g bytes under the restriction, "
+                            "over the budget of %.4g", floor, self.budget)
+                return None
         started = time.perf_counter()
         fixed = np.array([variable for c, ok in allowed.items() for s, variable in enumerate(self.x.get(c, ())) if s not in ok],
                          dtype=np.int32)
@@ -490,11 +496,15 @@ class ShardingILP:
             return Solution(choice=choice, objective_s=objective_s(self.problem, choice), stats=stats)
         return self.rounded(values, bound_s, started, allowed)
 
-    def memory_floor_bytes(self) -> list[float]:
-        """Per peak, the bytes it holds at least: each class at its smallest there, whatever the others take. Above the
-        budget, no plan fits, with nothing solved (LLaMA-70B on 128x8 under 80 GB: 266 GB at a peak, where the
-        relaxation took 5-6 s to find it infeasible)."""
-        return [constant + sum(min(row) for row in coefficients.values())
+    def memory_floor_bytes(self, allowed: Mapping[int, frozenset[int]] | None = None) -> list[float]:
+        """Per peak, the bytes it holds at least: each class at its smallest there, whatever the others take; with
+        ``allowed`` (a restriction, as :meth:`restricted` takes), at its smallest among the strategies it may take.
+        Above the budget, no plan fits, with nothing solved (LLaMA-70B on 128x8 under 80 GB: 266 GB at a peak, where
+        the relaxation took 5-6 s to find it infeasible; its data-parallel, ZeRO-2 and Megatron layouts, whose
+        restricted relaxations took ~16 s each to find so)."""
+        allowed = allowed or {}
+        return [constant + sum(min(row[s] for s in allowed[c]) if c in allowed else min(row)
+                               for c, row in coefficients.items())
                 for coefficients, constant in zip(self.problem.memory_bytes, self.problem.memory_constant_bytes)]
 
     def _bound_s(self, highs: highspy.Highs) -> float:
