@@ -24,7 +24,8 @@ from typing import Iterator
 __all__ = ["PAUSE", "freeze_survivors", "gc_paused"]
 
 PAUSE = True
-"""False: :func:`gc_paused` leaves the collector as it is and :func:`freeze_survivors` freezes nothing (``metadist.bench.plan_gc --collector-on`` compares so)."""
+"""False: :func:`gc_paused` leaves the collector as it is and :func:`freeze_survivors` freezes nothing
+(``metadist.bench.plan_gc --collector-on`` compares so)."""
 
 
 @contextlib.contextmanager

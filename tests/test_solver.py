@@ -356,7 +356,8 @@ def test_a_baseline_whose_restricted_floor_breaks_the_budget_is_refused_with_not
     problem = build_problem(graph, rules, H100X8)
     allowed = baseline_choices(problem, "dp")
     assert allowed
-    free, restricted = (max(ShardingILP(problem, None).memory_floor_bytes(restriction)) for restriction in (None, allowed))
+    unbudgeted = ShardingILP(problem, None)
+    free, restricted = (max(unbudgeted.memory_floor_bytes(restriction)) for restriction in (None, allowed))
     assert restricted > free * 1.5  # every parameter whole on every device, its gradient and optimizer states too
     runs = []
     original = ShardingILP._run_lp
