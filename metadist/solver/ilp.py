@@ -466,12 +466,8 @@ class ShardingILP:
         """
         if self.r:
             raise SolverError("restricted solves know strategies only: build the ILP without recomputation for them")
-        if self.budget is not None and not self.minimize_memory:
-            floor = max(self.memory_floor_bytes(allowed), default=0.0)
-            if floor > self.budget - MEMORY_MARGIN_BYTES:
-                logger.info("ILP: no restricted plan fits: a peak holds at least %.4g bytes under the restriction, "
-                            "over the budget of %.4g", floor, self.budget)
-                return None
+        if self._floor_breaks_budget(allowed):
+            return None
         started = time.perf_counter()
         fixed = np.array([variable for c, ok in allowed.items() for s, variable in enumerate(self.x.get(c, ())) if s not in ok],
                          dtype=np.int32)
@@ -507,6 +503,18 @@ class ShardingILP:
                                for c, row in coefficients.items())
                 for coefficients, constant in zip(self.problem.memory_bytes, self.problem.memory_constant_bytes)]
 
+    def _floor_breaks_budget(self, allowed: Mapping[int, frozenset[int]] | None = None) -> bool:
+        """Whether a peak's floor (:meth:`memory_floor_bytes`, under ``allowed`` where given) is over the budget: then no
+        plan fits, and nothing need be solved to say so (logged). False without a budget or when minimizing memory."""
+        if self.budget is None or self.minimize_memory:
+            return False
+        floor = max(self.memory_floor_bytes(allowed), default=0.0)
+        if floor <= self.budget - MEMORY_MARGIN_BYTES:
+            return False
+        logger.info("ILP: no plan fits: a peak holds at least %.4g bytes %s, over the budget of %.4g", floor,
+                    "under the restriction" if allowed else "whatever the strategies", self.budget)
+        return True
+
     def _bound_s(self, highs: highspy.Highs) -> float:
         """The solved relaxation's objective in seconds, the single-strategy classes' included: a bound below every plan's."""
         return float(highs.getInfo().objective_function_value) / OBJECTIVE_SCALE + self.constant_s()
@@ -534,12 +542,8 @@ class ShardingILP:
             return Solution(choice={c: 0 for c in self.problem.classes}, objective_s=self.constant_s(),
                             stats=self._stats(0.0, "Optimal", 0.0, 0, "no choices"))
         started = time.perf_counter()
-        if self.budget is not None and self.recompute is None and not self.minimize_memory:
-            floor = max(self.memory_floor_bytes(), default=0.0)
-            if floor > self.budget - MEMORY_MARGIN_BYTES:
-                logger.info("ILP: no plan fits: a peak holds at least %.4g bytes whatever the strategies, over the "
-                            "budget of %.4g", floor, self.budget)
-                return None
+        if self.recompute is None and self._floor_breaks_budget():
+            return None
         method = "LP relaxation (integral)"
         if self._solve_on:  # peaks added to the relaxation solved last: on from its basis
             highs, self._solve_on = self._relaxation, False

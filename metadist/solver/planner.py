@@ -32,10 +32,10 @@ MAX_PEAK_ROUNDS = 5
 """How many times a plan whose true memory peak breaks the budget is solved again with that peak added."""
 SHORT_WAIT_SEARCH_S = 10.0
 """The time limit of a second search (at short waits, :func:`_searched_at_short_waits`; at whole calls,
-:func:`_searched_with_whole_calls`), where the caller's is longer. It refines a plan already found, and the estimate picks between the two, so its branch and bound gets a bounded
-share of the planning time: on this project's 2-core machine, mixtral-mini on a 2x2 mesh of 4 processes, the first
-search was optimal in 1.4 s, the second's branch and bound ran to the 60 s limit (gap 0.97 %), and its plan was
-priced above the first's; the whole solve took 68 s."""
+:func:`_searched_with_whole_calls`), where the caller's is longer. It refines a plan already found, and the estimate
+picks between the two, so its branch and bound gets a bounded share of the planning time: on this project's 2-core
+machine, mixtral-mini on a 2x2 mesh of 4 processes, the first search was optimal in 1.4 s, the second's branch and
+bound ran to the 60 s limit (gap 0.97 %), and its plan was priced above the first's; the whole solve took 68 s."""
 BASELINE_CHECK_GAP = 0.005
 """A plan proven within this fraction of optimal is not compared with the baselines' layouts (:func:`_baselines_needed`):
 none of them can be cheaper by more."""
