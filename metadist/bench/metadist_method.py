@@ -114,8 +114,9 @@ at least this long: the first plan of a step on a machine (:mod:`metadist.cost.m
 
 
 def _with_step_matmuls(cluster: Any, graph: Any, ctx: RankContext) -> Any:
-    """``cluster`` pricing the step's matmuls and its fused attention at their times on this
-    machine (:mod:`metadist.cost.matmul_times`, :mod:`metadist.cost.attention_times`): timed by rank 0 while the
+    """``cluster`` pricing the step's matmuls, its fused attention and its relayout copies at their times on this
+    machine (:mod:`metadist.cost.matmul_times`, :mod:`metadist.cost.attention_times`,
+    :mod:`metadist.cost.relayout_times`): timed by rank 0 while the
     others wait, then read from the cache by every rank. A cluster other than this machine's calibrated one is
     returned as it is."""
     from ..config import settings_from_env

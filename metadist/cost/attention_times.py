@@ -23,8 +23,6 @@ roofline price.
 from __future__ import annotations
 
 import itertools
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,12 +30,10 @@ from typing import Any, Iterator
 from ..ir import Graph, Literal, Mesh, Node, ValueRef
 from ..ir.graph import _refs
 from .cluster import AttentionKey, Cluster, attention_key_of
-from .timed_shapes import read_times, with_timed, write_times
+from .timed_shapes import read_times, time_within_budget, with_timed, write_times
 
 __all__ = ["ATTENTION_OPS", "AttentionCall", "attention_call", "attention_keys", "table_path", "load_table",
            "with_measured_attention", "time_attention"]
-
-logger = logging.getLogger(__name__)
 
 ATTENTION_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "forward",
                  "_scaled_dot_product_flash_attention_for_cpu_backward": "backward"}
@@ -233,24 +229,10 @@ def with_measured_attention(cluster: Cluster, graph: Graph, cache_dir: Path, *, 
 
 def _time_missing(missing: list[AttentionKey], keys: dict[AttentionKey, float], cluster: Cluster, announce,
                   path: Path) -> tuple[dict[AttentionKey, float], int]:
-    from .matmul_times import LONGEST_TIMED_S, TIMING_BUDGET_S
-
     device = cluster.device
 
     def roofline_s(key: AttentionKey) -> float:  # a backward does about 2.5 forwards' work
         return keys[key] * (2.5 if key[0] == "backward" else 1.0) / device.flops_per_s(key[1], keys[key])
 
-    wanted = [key for key in missing if roofline_s(key) <= LONGEST_TIMED_S]
-    if announce is not None and len(wanted) > 8:
-        announce(f"timing {len(wanted)} attention shape(s) of this step on this machine, once; cached in {path}")
-    timed: dict[AttentionKey, float] = {}
-    started = time.perf_counter()
-    for key in sorted(wanted, key=roofline_s):
-        if time.perf_counter() - started > TIMING_BUDGET_S:
-            break
-        try:
-            timed[key] = time_attention(key)
-        except RuntimeError as err:  # a local shape the kernel refuses: priced by its roofline, and said so
-            logger.info("attention shape %s not timed: torch refused it (%s)", key, str(err).splitlines()[0])
-    logger.info("timed %d attention shape(s) in %.1f s", len(timed), time.perf_counter() - started)
-    return timed, len(missing) - len(timed)
+    return time_within_budget(missing, roofline_s, lambda key: time_attention(key), "attention", announce, path,
+                              refused=(RuntimeError,))

@@ -27,6 +27,10 @@ AttentionKey = tuple
 """A local fused attention call as :attr:`Device.attention_seconds` keys it: ``(direction, dtype, query shape, key shape,
 value shape, mask shape or (), mask dtype or "", causal)`` (:func:`metadist.cost.attention_times.local_key`)."""
 
+RelayoutKey = tuple
+"""A local relayout copy as :attr:`Device.relayout_seconds` keys it: ``(dtype read, dtype written, shape)``, the shape the
+copy's transposed operand has (:func:`metadist.cost.compute.local_relayout_key`)."""
+
 
 class ClusterError(ValueError):
     """A cluster description is malformed or does not fit the mesh."""
@@ -144,6 +148,12 @@ def attention_key_of(key: Any) -> AttentionKey:
             tuple(int(size) for size in value), tuple(int(size) for size in mask), str(mask_dtype), bool(causal))
 
 
+def relayout_key_of(key: Any) -> RelayoutKey:
+    """A relayout key with its shape as a tuple (a JSON document, a cluster's or the cached times', gives a list)."""
+    read, written, shape = key
+    return (str(read), str(written), tuple(int(size) for size in shape))
+
+
 def _dtype_pairs(pairs: Mapping[str, float] | Any) -> tuple[tuple[str, float], ...]:
     """(dtype, figure) pairs, sorted, from a mapping or pairs (a JSON document's lists)."""
     items = pairs.items() if isinstance(pairs, Mapping) else pairs
@@ -249,6 +259,12 @@ class Device:
     time, beyond ``op_overhead_s``, instead of by its roofline. Filled for a step's attention on this machine's
     calibrated CPU cluster (:func:`~.attention_times.with_measured_attention`), the sustained slowdown applied; empty
     for the presets."""
+    relayout_seconds: tuple[tuple[RelayoutKey, float], ...] = ()
+    """Measured seconds of relayout copies (a transposed operand copied into a row-major tensor, :attr:`~.compute.Work.relayout`)
+    by local shape and dtypes, as (key, seconds) pairs (:data:`RelayoutKey`): a node whose local copy is listed is
+    priced at its time, beyond ``op_overhead_s``, instead of at the ``relayout`` seconds per element. Filled for a
+    step's relayouts on this machine's calibrated CPU cluster (:func:`~.relayout_times.with_measured_relayouts`), the
+    sustained slowdown applied; empty for the presets."""
     sustained_slowdown: float = 1.0
     """How much slower the processes computed over a long stretch than in the calibration's short timed calls, all at
     once (``metadist calibrate`` on CPU; 1 elsewhere). Already applied: the rates above are divided by it and the
@@ -274,6 +290,9 @@ class Device:
         attention = tuple((attention_key_of(key), float(seconds)) for key, seconds in self.attention_seconds)
         object.__setattr__(self, "attention_seconds", attention)
         object.__setattr__(self, "_attention_seconds", dict(attention))
+        relayouts = tuple((relayout_key_of(key), float(seconds)) for key, seconds in self.relayout_seconds)
+        object.__setattr__(self, "relayout_seconds", relayouts)
+        object.__setattr__(self, "_relayout_seconds", dict(relayouts))
         elements = _dtype_pairs(self.op_element_seconds)
         object.__setattr__(self, "op_element_seconds", elements)
         object.__setattr__(self, "_element_seconds", dict(elements))
@@ -283,7 +302,7 @@ class Device:
         if min(figures) <= 0 or not self.op_overhead_s >= 0 or not self.eager_op_overhead_s >= 0 \
                 or not self.dtensor_op_overhead_s >= 0 or not self.dtensor_module_op_overhead_s >= 0 \
                 or not self.dtensor_collective_overhead_s >= 0 \
-                or not all(seconds >= 0 for _, seconds in (*elements, *matmuls, *attention)) \
+                or not all(seconds >= 0 for _, seconds in (*elements, *matmuls, *attention, *relayouts)) \
                 or not self.sustained_slowdown >= 1:
             raise ClusterError(f"device figures must be positive (op overhead and seconds per element >= 0, the sustained "
                                f"slowdown >= 1), got {self}")
@@ -340,6 +359,11 @@ class Device:
         """The measured seconds of the local fused attention call ``key`` (:attr:`attention_seconds`); None where it
         was not timed."""
         return self._attention_seconds.get(key)  # type: ignore[attr-defined]
+
+    def measured_relayout_s(self, key: RelayoutKey) -> float | None:
+        """The measured seconds of the local relayout copy ``key`` (:attr:`relayout_seconds`); None where it was not
+        timed."""
+        return self._relayout_seconds.get(key)  # type: ignore[attr-defined]
 
     def matmul_stream_s(self, dtype: str, operand_bytes: float, layout: str = "") -> float:
         """The least seconds a matmul in ``dtype`` whose larger operand holds ``operand_bytes`` (locally) takes: that

@@ -20,7 +20,8 @@ such ops' seconds per output element (``Device.op_element_seconds``, per dtype: 
 float32 one), and a node of one is priced at least at its compute dtype's rate on its local output elements. View
 ops alias their input and cost no work, and an allocation (``empty``...) writes none. A copy of a transposed operand
 into a row-major tensor (a gradient laid out as its weight, ``.contiguous()`` of a transposed view) reads it across
-its rows and is priced at its measured seconds per element (:func:`relayouts`). A random op costs its whole output
+its rows and is priced at its measured seconds per element (:func:`relayouts`), or at its time in its local shape
+where the device timed it (``Device.relayout_seconds``, :mod:`.relayout_times`). A random op costs its whole output
 on every rank whatever its strategy (every rank draws the whole tensor and keeps its slice, so that the shards hold
 what one device would draw), at its measured seconds per element where the device has them (a dropout mask's
 ``bernoulli`` draws far slower than its bytes move). Every node, views included, also pays the device's fixed
@@ -75,8 +76,10 @@ class Work:
     relayout: bool = False
     """A copy into a row-major tensor of an operand whose last two dims are swapped (:func:`relayouts`): it reads
     one operand across its rows, at the device's measured seconds per element of such a copy
-    (``Device.element_seconds(RELAYOUT)``): 0.7-1.8 ns an element on this project's machine in float32 and bfloat16 alike,
-    3-6x a straight copy's."""
+    (``Device.element_seconds(RELAYOUT)``), or at the time the device measured for its local shape
+    (``Device.relayout_seconds``): a 2-D transpose runs a blocked kernel, any other a strided copy whose rate depends
+    on the operand's row stride (one thread on this project's machine, float32, the transposed view of a row-major
+    ``[1024, 1024]``: 0.4 ns an element; of ``[8, 128, 1024]`` or ``[1, 128, 1024]``: 1.9; of ``[8, 128, 1000]``: 0.4)."""
     layout: str = ""
     """A matmul's operand layout (:func:`matmul_layout`): ``"nt"`` (its second operand a transposed view, as a
     linear layer's forward reads its weight), ``"tn"`` (its first, as a weight's gradient reads the activations) or
@@ -320,6 +323,11 @@ def compute_seconds(
         measured = device.measured_matmul_s(local_matmul_key(work, input_specs, strategy, mesh, dtype))
         if measured is not None:  # timed on this machine in its local shape (:mod:`.matmul_times`)
             return device.op_overhead_s + measured
+    if work.relayout and device.relayout_seconds:
+        key = local_relayout_key(input_specs, output_specs, strategy, mesh)
+        measured = device.measured_relayout_s(key) if key is not None else None
+        if measured is not None:  # timed on this machine in its local shape (:mod:`.relayout_times`)
+            return device.op_overhead_s + measured
     flops = work.flops
     if not work.draws_whole:
         flops /= split_degree(strategy, mesh)
@@ -354,6 +362,18 @@ def local_matmul_key(work: Work, input_specs: Sequence[TensorSpec], strategy: No
         return None
     batch = math.prod(first[:-2]) if work.op in _BATCHED else 0
     return (dtype, work.layout, batch, first[-2], first[-1], second[-1])
+
+
+def local_relayout_key(input_specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec | None],
+                       strategy: NodeStrategy, mesh: Mesh) -> tuple | None:
+    """The key of a relayout copy's local work under ``strategy`` in :attr:`~.cluster.Device.relayout_seconds`:
+    ``(dtype read, dtype written, shape)``, the largest piece of its transposed operand; None where the strategy
+    gives the operand no sharding or the copy writes nothing."""
+    if not input_specs or not output_specs or output_specs[0] is None or not strategy.inputs \
+            or strategy.inputs[0] is None:
+        return None
+    return (input_specs[0].dtype, output_specs[0].dtype,
+            tuple(largest_local_shape(input_specs[0], strategy.inputs[0], mesh)))
 
 
 def local_attention_key(call: Any, input_specs: Sequence[TensorSpec], strategy: NodeStrategy, mesh: Mesh) -> tuple:

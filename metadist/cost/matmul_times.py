@@ -28,21 +28,17 @@ in 4.1 s, mixtral-mini's in 8.3, once. A matmul whose curve price exceeds :data:
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..ir import Graph, Mesh, Node
 from .cluster import Cluster, MatmulKey
 from .compute import _BATCHED, Work, compute_dtype, node_work
-from .timed_shapes import read_times, with_timed, write_times
+from .timed_shapes import read_times, time_within_budget, with_timed, write_times
 
 __all__ = ["NARROW_DTYPES", "TIMED_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table",
            "with_measured_matmuls", "time_matmul"]
-
-logger = logging.getLogger(__name__)
 
 NARROW_DTYPES = ("bfloat16", "float16")
 """The narrow dtypes: their CPU matmul kernels' rates depend on the layout most (the runtime reads a narrow matmul's
@@ -187,23 +183,11 @@ def with_measured_matmuls(cluster: Cluster, graph: Graph, cache_dir: Path, *, me
 def _time_missing(missing: list[MatmulKey], keys: dict[MatmulKey, float], cluster: Cluster, announce,
                   path: Path) -> tuple[dict[MatmulKey, float], int]:
     device = cluster.device
-    slowdown = device.sustained_slowdown
 
     def curve_s(key: MatmulKey) -> float:
         dtype, layout = key[0], key[1]
         flops = keys[key]
         rate_flops = flops / key[2] if key[2] > 1 else flops
-        return flops / device.flops_per_s(dtype, rate_flops, layout) * slowdown
+        return flops / device.flops_per_s(dtype, rate_flops, layout)
 
-    wanted = [key for key in missing if curve_s(key) <= LONGEST_TIMED_S * slowdown]
-    if announce is not None and len(wanted) > 8:
-        announce(f"timing {len(wanted)} matmul shape(s) of this step on this machine, once; "
-                 f"cached in {path}")
-    timed: dict[MatmulKey, float] = {}
-    started = time.perf_counter()
-    for key in sorted(wanted, key=curve_s):
-        if time.perf_counter() - started > TIMING_BUDGET_S:
-            break
-        timed[key] = time_matmul(key)
-    logger.info("timed %d matmul shape(s) in %.1f s", len(timed), time.perf_counter() - started)
-    return timed, len(missing) - len(timed)
+    return time_within_budget(missing, curve_s, lambda key: time_matmul(key), "matmul", announce, path)

@@ -3,14 +3,15 @@
 :mod:`.matmul_times` (matmuls) and :mod:`.attention_times` (fused attention) each list the local calls a
 step may run (their keys), time the ones missing from a per-machine cache file beside the calibration, and put the
 times into the device the cost model prices with (scaled by the calibration's sustained slowdown). This module is that
-common part: the cache file (:func:`read_times`, :func:`write_times`) and :func:`with_timed`, and
-:func:`with_measured_shapes`, which prices a step on both.
+common part, with :mod:`.relayout_times` (relayout copies): the cache file (:func:`read_times`, :func:`write_times`),
+:func:`with_timed` and :func:`time_within_budget`, and :func:`with_measured_shapes`, which prices a step on all three.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -71,14 +72,43 @@ def with_timed(cluster: Cluster, keys: Mapping[tuple, Any], path: Path, *, read:
     return replace(cluster, device=replace(device, **{field: tuple(sorted(merged.items()))}))
 
 
+def time_within_budget(missing: list[tuple], price_s: Callable[[tuple], float], time_one: Callable[[tuple], float],
+                       what: str, announce: Callable[[str], None] | None, path: Path,
+                       refused: tuple[type[Exception], ...] = ()) -> tuple[dict[tuple, float], int]:
+    """Time the ``missing`` keys (``time_one(key)`` seconds), cheapest first by ``price_s`` (the cost model's price of
+    the key without its time, before the slowdown): those priced above :data:`~.matmul_times.LONGEST_TIMED_S` are
+    not timed, and none after :data:`~.matmul_times.TIMING_BUDGET_S` of timing. An error of the ``refused`` types
+    (a shape torch refuses) leaves that key untimed, and the log says why. Returns (the times, how many keys were left
+    untimed); ``announce(text)`` is told before more than 8 keys of ``what`` (``matmul``...) are timed."""
+    from .matmul_times import LONGEST_TIMED_S, TIMING_BUDGET_S
+
+    wanted = [key for key in missing if price_s(key) <= LONGEST_TIMED_S]
+    if announce is not None and len(wanted) > 8:
+        announce(f"timing {len(wanted)} {what} shape(s) of this step on this machine, once; cached in {path}")
+    timed: dict[tuple, float] = {}
+    started = time.perf_counter()
+    for key in sorted(wanted, key=price_s):
+        if time.perf_counter() - started > TIMING_BUDGET_S:
+            break
+        try:
+            timed[key] = time_one(key)
+        except refused as err:  # priced without its time, and said so
+            logger.info("%s shape %s not timed: torch refused it (%s)", what, key, str(err).splitlines()[0])
+    logger.info("timed %d %s shape(s) in %.1f s", len(timed), what, time.perf_counter() - started)
+    return timed, len(missing) - len(timed)
+
+
 def with_measured_shapes(cluster: Cluster, graph: Any, cache_dir: Path, *, measure: bool = True,
                          announce: Callable[[str], None] | None = None) -> Cluster:
     """``cluster`` with its device pricing ``graph``'s matmuls
-    (:func:`~.matmul_times.with_measured_matmuls`) and its fused attention
-    (:func:`~.attention_times.with_measured_attention`) at their times on this machine: how a plan made here prices a
+    (:func:`~.matmul_times.with_measured_matmuls`), its fused attention
+    (:func:`~.attention_times.with_measured_attention`) and its relayout copies
+    (:func:`~.relayout_times.with_measured_relayouts`) at their times on this machine: how a plan made here prices a
     step. ``measure`` and ``announce`` as theirs."""
     from .attention_times import with_measured_attention
     from .matmul_times import with_measured_matmuls
+    from .relayout_times import with_measured_relayouts
 
     cluster = with_measured_matmuls(cluster, graph, cache_dir, measure=measure, announce=announce)
-    return with_measured_attention(cluster, graph, cache_dir, measure=measure, announce=announce)
+    cluster = with_measured_attention(cluster, graph, cache_dir, measure=measure, announce=announce)
+    return with_measured_relayouts(cluster, graph, cache_dir, measure=measure, announce=announce)

@@ -107,7 +107,7 @@ def _solve(torch_step: TorchStep, mesh: Mesh, source: str, memory_budget_bytes: 
         settings = settings_from_env()
         with phase("calibrate"):
             resolved = default_cpu_cluster(mesh, settings.cpu_cluster, settings.cache_dir, announce=_announce)
-            from ..cost.timed_shapes import with_measured_shapes  # matmuls and fused attention at their times here
+            from ..cost.timed_shapes import with_measured_shapes  # matmuls, attention, relayouts: their times here
 
             resolved = with_measured_shapes(resolved, torch_step.graph, settings.cache_dir, announce=_announce)
     else:
