@@ -102,13 +102,13 @@ def test_first_use_calibrates_once_then_reads_the_cache(tmp_path):
     assert len(told) == announced and again == first
 
 
-def test_calibrating_again_drops_the_timed_matmul_shapes(tmp_path, monkeypatch):
-    """``metadist calibrate`` replaces the calibration and deletes the matmul times taken at the last one's speed
-    (:mod:`metadist.cost.matmul_times`): the next plan times its shapes again."""
+def test_calibrating_again_drops_the_timed_shapes(tmp_path, monkeypatch):
+    """``metadist calibrate`` replaces the calibration and deletes the shapes timed at the last one's speed (matmuls,
+    fused attention, relayouts: :mod:`metadist.cost.timed_shapes`): the next plan times them again."""
     import metadist.cost.calibrate as calibrate_module
     from metadist.cli.main import main
+    from metadist.cost import attention_times, matmul_times, relayout_times
     from metadist.cost.calibrate import cluster_from_report
-    from metadist.cost.matmul_times import table_path
 
     monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path))
     told = {}
@@ -118,11 +118,13 @@ def test_calibrating_again_drops_the_timed_matmul_shapes(tmp_path, monkeypatch):
         return cluster_from_report(REPORT, mesh), REPORT
 
     monkeypatch.setattr(calibrate_module, "calibrate", calibrate)
-    stale = table_path(tmp_path)
-    stale.parent.mkdir(parents=True)
-    stale.write_text('{"format": "metadist-matmul-times", "version": 1, "times": []}')
+    stale = [timed.table_path(tmp_path) for timed in (matmul_times, attention_times, relayout_times)]
+    stale[0].parent.mkdir(parents=True)
+    for path, timed in zip(stale, (matmul_times, attention_times, relayout_times)):
+        path.write_text(json.dumps({"format": timed.TABLE_FORMAT, "version": timed.TABLE_VERSION, "times": []}))
+    assert len(set(stale)) == 3
     assert main(["calibrate", "--nproc", "2"]) == 0
-    assert not stale.exists() and load_calibration(calibration_path(tmp_path, 2)) == REPORT
+    assert not any(path.exists() for path in stale) and load_calibration(calibration_path(tmp_path, 2)) == REPORT
     assert told["launches"] is None  # the default: decided by the processes per core (default_launches)
     assert main(["calibrate", "--nproc", "2", "--launches", "2"]) == 0 and told["launches"] == 2
 

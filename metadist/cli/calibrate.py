@@ -61,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
         cached = calibration_path(settings_from_env().cache_dir, args.nproc)
         save_calibration(cached, report, args.nproc)
-        from ..cost.matmul_times import table_path
+        from ..cost import attention_times, matmul_times, relayout_times
 
-        # the matmul shapes timed at the last calibration's speed (metadist.cost.matmul_times): timed again on use
-        table_path(settings_from_env().cache_dir).unlink(missing_ok=True)
+        # the shapes timed at the last calibration's speed (matmuls, fused attention, relayouts): timed again on use
+        for timed in (matmul_times, attention_times, relayout_times):
+            timed.table_path(settings_from_env().cache_dir).unlink(missing_ok=True)
     over = f", the median of {report['launches']} launches" if report.get("launches", 1) > 1 else ""
     table = Table(title=f"calibrated {report['backend']} on {args.nproc} processes, mesh {mesh}{over}")
     for column in ("axis", "size", "per call", "in-step wait", "latency per step", "bandwidth", "reduce-scatter"):
