@@ -106,6 +106,10 @@ def test_a_relayout_dearer_than_the_longest_timed_call_keeps_its_per_element_pri
     mesh = Mesh((1,))
     cluster = _cluster(mesh, _device(op_element_seconds={RELAYOUT: 1.0}))  # a second an element: past the limit
     assert with_measured_relayouts(cluster, _graph(), tmp_path).device.relayout_seconds == ()
+    # cheap, but its operand past LARGEST_TIMED_BYTES: its copies would hold that many bytes each
+    monkeypatch.setattr(relayout_times, "LARGEST_TIMED_BYTES", 8 * 32 * 16 * 4 - 1)
+    cheap = _cluster(mesh, _device(op_element_seconds={RELAYOUT: 1e-9}))
+    assert with_measured_relayouts(cheap, _graph(), tmp_path).device.relayout_seconds == ()
 
 
 def test_the_copy_is_timed_on_this_machine_as_the_runtime_runs_it():

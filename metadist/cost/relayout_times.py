@@ -16,7 +16,8 @@ piece's shape), in its dtypes, one thread, one process at a time, each call on t
 operand (:data:`~.matmul_times.COLD_POOL_BYTES`), and the cost model prices such a node at its measured seconds
 (:meth:`~.cluster.Device.measured_relayout_s`) times the calibration's sustained slowdown. The times are cached per
 machine and torch version beside the calibration (:func:`table_path`), as the matmuls' are, and only missing shapes
-are timed. A copy whose per-element price exceeds :data:`~.matmul_times.LONGEST_TIMED_S`, or any past
+are timed. A copy whose per-element price exceeds :data:`~.matmul_times.LONGEST_TIMED_S`, whose operand exceeds
+:data:`LARGEST_TIMED_BYTES`, or any past
 :data:`~.matmul_times.TIMING_BUDGET_S` of timing in one call, keeps its per-element price (the log says how many).
 """
 
@@ -26,7 +27,7 @@ import itertools
 import math
 from pathlib import Path
 
-from ..ir import Graph, Mesh
+from ..ir import DTYPE_BYTES, Graph, Mesh
 from .cluster import Cluster, RelayoutKey, relayout_key_of
 from .compute import RELAYOUT, relayouts
 from .timed_shapes import read_times, time_within_budget, with_timed, write_times
@@ -35,6 +36,10 @@ __all__ = ["relayout_keys", "table_path", "load_table", "with_measured_relayouts
 
 TABLE_FORMAT = "metadist-relayout-times"
 TABLE_VERSION = 1
+
+LARGEST_TIMED_BYTES = 256 << 20
+"""A relayout whose local operand holds more bytes than this is not timed (its copies would take their own multiple
+of it in memory): it keeps its per-element price."""
 
 
 def relayout_keys(graph: Graph, mesh: Mesh) -> dict[RelayoutKey, float]:
@@ -127,6 +132,8 @@ def with_measured_relayouts(cluster: Cluster, graph: Graph, cache_dir: Path, *, 
     device = cluster.device
 
     def priced_s(key: RelayoutKey) -> float:  # the per-element price the node keeps where it is not timed
+        if keys[key] * DTYPE_BYTES[key[0]] > LARGEST_TIMED_BYTES:
+            return math.inf  # past the longest timed call: not timed
         return device.element_seconds(RELAYOUT, key[0]) * keys[key]
 
     def time_missing(missing: list[RelayoutKey]) -> tuple[dict[RelayoutKey, float], int]:
