@@ -562,3 +562,31 @@ def test_highs_refusing_to_run_is_a_clear_solver_error():
     clashing.setOptionValue("threads", 977)  # no scheduler started with this many
     with pytest.raises(SolverError, match="HiGHS refused to solve"):
         run_highs(clashing)
+
+
+def test_a_problem_priced_again_under_other_bucketing_equals_the_one_built_under_it():
+    """The second search at whole calls reprices a built problem's reshardings under ``NO_BUCKETING``
+    (:func:`metadist.solver.problem.with_bucketing`) instead of building it again: its edges, shared charges and
+    linear seconds are those a problem built under that bucketing has, its strategies, classes, compute and memory
+    rows (added peaks too) those of the problem it came from."""
+    from metadist.cost import NO_BUCKETING, bucketing_for
+    from metadist.solver.problem import Restrictions, build_problem, with_bucketing, with_peaks
+
+    graph, rules = mlp_step(256, 64, 256, layers=2)
+    cluster = cluster_for("cpu-gloo", Mesh((4,)))
+    restrictions = Restrictions()
+    shared = build_problem(graph, rules, cluster, restrictions, bucketing=bucketing_for(graph))
+    assert shared.bucketing.edges  # the update phase's reshardings are coalesced: the two prices differ
+    shared = with_peaks(shared, tuple(sorted({*shared.peaks, len(graph.nodes) // 2})))
+    whole = build_problem(graph, rules, cluster, restrictions, bucketing=NO_BUCKETING)
+    again = with_bucketing(shared, restrictions, NO_BUCKETING)
+    assert again is not None and again.bucketing is NO_BUCKETING
+    assert again.linear_comm_s == whole.linear_comm_s and again.linear_comm_s != shared.linear_comm_s
+    assert again.edges == whole.edges and again.charges == whole.charges
+    assert again.prices_as_estimate == whole.prices_as_estimate
+    assert again.units == whole.units and again.compute_s == whole.compute_s and again.classes == whole.classes
+    assert again.peaks == shared.peaks and again.memory_bytes == shared.memory_bytes  # the added peak kept
+    assert again.stats["bucketed_edges"] == 0 and again.stats["graph_nodes"] == whole.stats["graph_nodes"]
+    # a bucketing that starts the update phase elsewhere offers other strategies: built again, not repriced
+    moved = bucketing_for(graph).__class__(frozenset(), 1.0, shared.bucketing.update_start + 1)
+    assert with_bucketing(shared, restrictions, moved) is None

@@ -23,7 +23,7 @@ from .estimate import Assignment, estimate, node_compute_s, node_facts
 from .explain import explanation_data
 from .ilp import RECOMPUTE_MIP_REL_GAP, ShardingILP, Solution
 from .local_search import objective_s
-from .problem import Problem, Restrictions, build_problem, final_output_sharding, with_peaks
+from .problem import Problem, Restrictions, build_problem, final_output_sharding, with_bucketing, with_peaks
 
 logger = logging.getLogger(__name__)
 
@@ -254,11 +254,15 @@ def _searched_again(problem: Problem, solution: Solution, cluster: Cluster, buck
                     rules: Mapping[str, Rule], missing: Mapping[str, str], restrictions: Restrictions,
                     budget: float | None, time_limit_s: float) -> tuple[Problem, Solution | None, float]:
     """A second search of ``problem``'s graph priced on ``cluster`` and ``bucketing``: (its problem, with the peaks the
-    rounds added; its solution, None where it found none; its time limit, at most :data:`SHORT_WAIT_SEARCH_S`).
+    rounds added; its solution, None where it found none; its time limit, at most :data:`SHORT_WAIT_SEARCH_S`). On the
+    same cluster the problem is ``problem`` repriced under ``bucketing`` (:func:`.problem.with_bucketing`), else built
+    again.
 
     Branch and bound starts from ``solution`` carried into the new problem where the rounded relaxation is dearer:
     stopped by its limit, the search still ends with a plan no dearer, by its own prices, than that one."""
-    other = build_problem(problem.graph, rules, cluster, restrictions, missing, bucketing)
+    other = with_bucketing(problem, restrictions, bucketing) if cluster == problem.cluster else None
+    if other is None:  # priced on another cluster (or the update phase starts elsewhere): built again
+        other = build_problem(problem.graph, rules, cluster, restrictions, missing, bucketing)
     if other.peaks != problem.peaks:
         other = with_peaks(other, problem.peaks)
     limit_s = min(time_limit_s, SHORT_WAIT_SEARCH_S)

@@ -661,6 +661,29 @@ def final_output_sharding(sharding: tuple) -> tuple:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in sharding)
 
 
+def with_bucketing(problem: Problem, restrictions: Restrictions, bucketing: Bucketing) -> Problem | None:
+    """``problem`` (built under ``restrictions``) with its reshardings priced under ``bucketing`` instead: what
+    :func:`build_problem` of the same graph, rules and cluster returns under ``bucketing``, its strategies, units,
+    classes, compute and memory rows (the peaks added to ``problem`` included) reused and only the edges priced again.
+    None where ``bucketing`` starts the update phase elsewhere: the strategies offered depend on that position
+    (:func:`_member_strategies`), so the problem must be built again."""
+    def position(of: Bucketing) -> int:
+        return update_start(problem.graph) if of is NO_BUCKETING else of.update_start
+
+    if position(bucketing) != position(problem.bucketing):
+        return None
+    started = time.perf_counter()
+    graph, cluster = problem.graph, problem.cluster
+    linear, edges, charges, exact = _edges(graph, problem.units, problem.member_unit, problem.unit_class,
+                                           _Reshard(cluster), bucketing, restricted_values(graph, restrictions.reduce_dtype))
+    stats = {**problem.stats, "class_edges": len(edges), "shared_charges": len(charges),
+             "bucketed_edges": len(bucketing.edges), "bucketed_fixed_share": round(bucketing.fixed_share, 6),
+             "problem_build_s": round(time.perf_counter() - started, 4)}
+    logger.info("problem for %s priced again under other bucketing: %s", graph.name, stats)
+    return replace(problem, linear_comm_s={c: tuple(v) for c, v in linear.items()}, edges=edges, charges=charges,
+                   bucketing=bucketing, prices_as_estimate=exact and not waits_by_gap(cluster), stats=stats)
+
+
 def with_peaks(problem: Problem, peaks: tuple[int, ...]) -> Problem:
     """The same problem with memory budget rows at ``peaks`` (positions in graph order)."""
     memory, constants = _memory(problem.graph, problem.units, problem.member_unit, problem.unit_class, problem.liveness,
