@@ -30,7 +30,8 @@ from typing import Any, Iterator
 from ..ir import Graph, Literal, Mesh, Node, ValueRef
 from ..ir.graph import _refs
 from .cluster import AttentionKey, Cluster, attention_key_of
-from .timed_shapes import read_times, time_within_budget, with_timed, write_times
+from .timed_shapes import (cached_table_path, one_thread_seconds, read_times, time_within_budget, with_timed,
+                           write_times)
 
 __all__ = ["ATTENTION_OPS", "AttentionCall", "attention_call", "attention_keys", "table_path", "load_table",
            "with_measured_attention", "time_attention"]
@@ -160,9 +161,7 @@ def attention_nodes(graph: Graph) -> Iterator[tuple[Node, AttentionCall]]:
 
 def table_path(cache_dir: Path) -> Path:
     """Where this machine's attention times are cached (per machine and torch version, as a calibration)."""
-    from .calibrate import _torch_version, calibration_key
-
-    return Path(cache_dir) / "calibration" / f"{calibration_key(1, 'attention', _torch_version())}.json"
+    return cached_table_path(cache_dir, "attention")
 
 
 def load_table(path: Path) -> dict[AttentionKey, float]:
@@ -179,10 +178,8 @@ def time_attention(key: AttentionKey) -> float:
     run). A backward is timed on the forward's own output and log-sum-exp of the same operands."""
     import torch
 
-    from .calibrate_worker import _per_call_seconds
-
     direction, dtype_name, query_shape, key_shape, value_shape, mask_shape, mask_dtype, causal = key
-    cpu, dtype = torch.device("cpu"), getattr(torch, dtype_name)
+    dtype = getattr(torch, dtype_name)
     generator = torch.Generator().manual_seed(0)
     query, key_tensor, value = (torch.randn(shape, generator=generator).to(dtype)
                                 for shape in (query_shape, key_shape, value_shape))
@@ -191,18 +188,13 @@ def time_attention(key: AttentionKey) -> float:
         mask = (torch.rand(mask_shape, generator=generator) > 0.1 if mask_dtype == "bool"
                 else torch.zeros(mask_shape).to(getattr(torch, mask_dtype)))
     forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        if direction == "forward":
-            return _per_call_seconds(lambda: forward(query, key_tensor, value, 0.0, causal, attn_mask=mask), cpu)
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-        out, logsumexp = forward(query, key_tensor, value, 0.0, causal, attn_mask=mask)
-        grad = torch.randn(out.shape, generator=generator).to(dtype)
-        return _per_call_seconds(
-            lambda: backward(grad, query, key_tensor, value, out, logsumexp, 0.0, causal, attn_mask=mask), cpu)
-    finally:
-        torch.set_num_threads(threads)
+    if direction == "forward":
+        return one_thread_seconds(lambda: forward(query, key_tensor, value, 0.0, causal, attn_mask=mask))
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    out, logsumexp = forward(query, key_tensor, value, 0.0, causal, attn_mask=mask)
+    grad = torch.randn(out.shape, generator=generator).to(dtype)
+    return one_thread_seconds(
+        lambda: backward(grad, query, key_tensor, value, out, logsumexp, 0.0, causal, attn_mask=mask))
 
 
 def with_measured_attention(cluster: Cluster, graph: Graph, cache_dir: Path, *, measure: bool = True,

@@ -35,7 +35,8 @@ from typing import Iterable, Iterator
 from ..ir import Graph, Mesh, Node
 from .cluster import Cluster, MatmulKey
 from .compute import _BATCHED, Work, compute_dtype, node_work
-from .timed_shapes import read_times, time_within_budget, with_timed, write_times
+from .timed_shapes import (cached_table_path, one_thread_seconds, read_times, time_within_budget, with_timed,
+                           write_times)
 
 __all__ = ["NARROW_DTYPES", "TIMED_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table",
            "with_measured_matmuls", "time_matmul"]
@@ -98,9 +99,7 @@ def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = TIMED_DTYPES) 
 
 def table_path(cache_dir: Path) -> Path:
     """Where this machine's matmul times are cached (per machine and torch version, as a calibration)."""
-    from .calibrate import _torch_version, calibration_key
-
-    return Path(cache_dir) / "calibration" / f"{calibration_key(1, 'matmul', _torch_version())}.json"
+    return cached_table_path(cache_dir, "matmul")
 
 
 def load_table(path: Path) -> dict[MatmulKey, float]:
@@ -135,7 +134,7 @@ def time_matmul(key: MatmulKey) -> float:
 
     import torch
 
-    from .calibrate_worker import _operand, _per_call_seconds
+    from .calibrate_worker import _operand
 
     dtype_name, layout, batch, m, k, n = key
     cpu, dtype, lead = torch.device("cpu"), getattr(torch, dtype_name), (batch,) if batch else ()
@@ -150,12 +149,7 @@ def time_matmul(key: MatmulKey) -> float:
         a, b = next(cycle)
         op(a, b)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _per_call_seconds(call, cpu)
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_seconds(call)
 
 
 def with_measured_matmuls(cluster: Cluster, graph: Graph, cache_dir: Path, *, measure: bool = True,

@@ -30,7 +30,8 @@ from pathlib import Path
 from ..ir import DTYPE_BYTES, Graph, Mesh
 from .cluster import Cluster, RelayoutKey, relayout_key_of
 from .compute import RELAYOUT, relayouts
-from .timed_shapes import read_times, time_within_budget, with_timed, write_times
+from .timed_shapes import (cached_table_path, one_thread_seconds, read_times, time_within_budget, with_timed,
+                           write_times)
 
 __all__ = ["relayout_keys", "table_path", "load_table", "with_measured_relayouts", "time_relayout"]
 
@@ -66,9 +67,7 @@ def relayout_keys(graph: Graph, mesh: Mesh) -> dict[RelayoutKey, float]:
 
 def table_path(cache_dir: Path) -> Path:
     """Where this machine's relayout times are cached (per machine and torch version, as a calibration)."""
-    from .calibrate import _torch_version, calibration_key
-
-    return Path(cache_dir) / "calibration" / f"{calibration_key(1, 'relayout', _torch_version())}.json"
+    return cached_table_path(cache_dir, "relayout")
 
 
 def load_table(path: Path) -> dict[RelayoutKey, float]:
@@ -87,13 +86,12 @@ def time_relayout(key: RelayoutKey) -> float:
     operand (:data:`~.matmul_times.COLD_POOL_BYTES`), as a step reads one that other ops wrote."""
     import torch
 
-    from .calibrate_worker import _per_call_seconds
     from .matmul_times import COLD_POOL_BYTES, COLD_POOL_PAIRS
 
     read, written, shape = key
     if len(shape) < 2:
         raise ValueError(f"a relayout swaps its operand's last two dims: shape {shape} has fewer than 2")
-    cpu, source, target = torch.device("cpu"), getattr(torch, read), getattr(torch, written)
+    source, target = getattr(torch, read), getattr(torch, written)
     generator = torch.Generator().manual_seed(0)
     nbytes = max(math.prod(shape), 1) * source.itemsize
     count = max(2, min(COLD_POOL_PAIRS, -(-COLD_POOL_BYTES // nbytes)))
@@ -107,12 +105,7 @@ def time_relayout(key: RelayoutKey) -> float:
         def call() -> None:
             torch.ops.aten._to_copy.default(next(cycle), dtype=target, memory_format=torch.contiguous_format)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _per_call_seconds(call, cpu)
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread_seconds(call)
 
 
 def with_measured_relayouts(cluster: Cluster, graph: Graph, cache_dir: Path, *, measure: bool = True,

@@ -21,6 +21,29 @@ from .cluster import Cluster, ClusterError
 logger = logging.getLogger(__name__)
 
 
+def cached_table_path(cache_dir: Path, what: str) -> Path:
+    """Where this machine's times of ``what`` (``matmul``, ``attention``, ``relayout``) are cached: beside the
+    calibration, per machine and torch version as it is."""
+    from .calibrate import _torch_version, calibration_key
+
+    return Path(cache_dir) / "calibration" / f"{calibration_key(1, what, _torch_version())}.json"
+
+
+def one_thread_seconds(call: Callable[[], object]) -> float:
+    """Median seconds of one ``call()`` on the CPU with one intra-op thread, as each rank of a local run has (the
+    process's thread count restored after)."""
+    import torch
+
+    from .calibrate_worker import _per_call_seconds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _per_call_seconds(call, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def read_times(path: Path, table_format: str, version: int, what: str,
                key_of: Callable[[list], tuple]) -> dict[tuple, float]:
     """The cached times at ``path`` (empty when there is none): each row's key made by ``key_of`` from the row less its
