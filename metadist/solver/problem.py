@@ -667,21 +667,16 @@ def with_bucketing(problem: Problem, restrictions: Restrictions, bucketing: Buck
     classes, compute and memory rows (the peaks added to ``problem`` included) reused and only the edges priced again.
     None where ``bucketing`` starts the update phase elsewhere: the strategies offered depend on that position
     (:func:`_member_strategies`), so the problem must be built again."""
-    def position(of: Bucketing) -> int:
-        return update_start(problem.graph) if of is NO_BUCKETING else of.update_start
-
-    if position(bucketing) != position(problem.bucketing):
+    graph = problem.graph
+    if _update_position(graph, bucketing) != _update_position(graph, problem.bucketing):
         return None
     started = time.perf_counter()
-    graph, cluster = problem.graph, problem.cluster
-    linear, edges, charges, exact = _edges(graph, problem.units, problem.member_unit, problem.unit_class,
-                                           _Reshard(cluster), bucketing, restricted_values(graph, restrictions.reduce_dtype))
-    stats = {**problem.stats, "class_edges": len(edges), "shared_charges": len(charges),
-             "bucketed_edges": len(bucketing.edges), "bucketed_fixed_share": round(bucketing.fixed_share, 6),
-             "problem_build_s": round(time.perf_counter() - started, 4)}
+    priced, edge_stats = _priced_edges(graph, problem.units, problem.member_unit, problem.unit_class,
+                                       _Reshard(problem.cluster), bucketing,
+                                       restricted_values(graph, restrictions.reduce_dtype))
+    stats = {**problem.stats, **edge_stats, "problem_build_s": round(time.perf_counter() - started, 4)}
     logger.info("problem for %s priced again under other bucketing: %s", graph.name, stats)
-    return replace(problem, linear_comm_s={c: tuple(v) for c, v in linear.items()}, edges=edges, charges=charges,
-                   bucketing=bucketing, prices_as_estimate=exact and not waits_by_gap(cluster), stats=stats)
+    return replace(problem, **priced, stats=stats)
 
 
 def with_peaks(problem: Problem, peaks: tuple[int, ...]) -> Problem:
@@ -741,8 +736,7 @@ def build_problem(
     """
     started = time.perf_counter()
     bucketing = bucketing_for(graph) if bucketing is None else bucketing
-    sets, compute = _member_strategies(graph, rules, cluster, restrictions,
-                                       update_start(graph) if bucketing is NO_BUCKETING else bucketing.update_start)
+    sets, compute = _member_strategies(graph, rules, cluster, restrictions, _update_position(graph, bucketing))
     price = _Reshard(cluster)
     restricted = restricted_values(graph, restrictions.reduce_dtype)
     units, unit_seconds = _build_units(graph, sets, compute, price, restricted)
@@ -754,7 +748,7 @@ def build_problem(
         row = compute_s[unit_class[index]]
         for s, value in enumerate(seconds):
             row[s] += value
-    linear, edges, charges, exact = _edges(graph, units, member_unit, unit_class, price, bucketing, restricted)
+    priced, edge_stats = _priced_edges(graph, units, member_unit, unit_class, price, bucketing, restricted)
     lives = liveness(graph)
     memory, constants = _memory(graph, units, member_unit, unit_class, lives, cluster.mesh, lives.peaks)
     missing_rules = dict(missing or {})
@@ -767,20 +761,34 @@ def build_problem(
         "units_after_merging": len(units),
         "classes_after_tying": len(classes),
         "classes_with_choices": sum(1 for c in classes if len(units[c].strategies) > 1),
-        "class_edges": len(edges),
-        "shared_charges": len(charges),
-        "bucketed_edges": len(bucketing.edges),
-        "bucketed_fixed_share": round(bucketing.fixed_share, 6),
+        **edge_stats,
         "problem_build_s": round(time.perf_counter() - started, 4),
     }
     logger.info("problem for %s: %s", graph.name, stats)
     return Problem(
         graph=graph, cluster=cluster, units=tuple(units), member_unit=member_unit, unit_class=tuple(unit_class),
-        classes=classes, compute_s={c: tuple(v) for c, v in compute_s.items()},
-        linear_comm_s={c: tuple(v) for c, v in linear.items()}, edges=edges, peaks=lives.peaks,
+        classes=classes, compute_s={c: tuple(v) for c, v in compute_s.items()}, peaks=lives.peaks,
         memory_bytes=memory, memory_constant_bytes=constants, liveness=lives,
         excluded_indivisible=sum(s.excluded_indivisible for s in sets.values()), missing_rules=missing_rules,
         stats={**stats, "excluded_inexpressible_strategies": sum(s.excluded_inexpressible for s in sets.values()),
                **_uneven_stats(sets.values())},
-        bucketing=bucketing, charges=charges, prices_as_estimate=exact and not waits_by_gap(cluster),
+        **priced,
     )
+
+
+def _update_position(graph: Graph, bucketing: Bucketing) -> int:
+    """Where the update phase starts for ``bucketing`` (:data:`NO_BUCKETING` marks none: the graph's own start): the
+    strategies offered depend on it (:func:`_member_strategies`)."""
+    return update_start(graph) if bucketing is NO_BUCKETING else bucketing.update_start
+
+
+def _priced_edges(graph, units, member_unit, unit_class, price: "_Reshard", bucketing: Bucketing,
+                  restricted: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The :class:`Problem` fields that price its reshardings under ``bucketing`` (linear seconds, class edges, shared
+    charges, the bucketing, whether the objective prices as the estimate), and their stats."""
+    linear, edges, charges, exact = _edges(graph, units, member_unit, unit_class, price, bucketing, restricted)
+    fields = {"linear_comm_s": {c: tuple(v) for c, v in linear.items()}, "edges": edges, "charges": charges,
+              "bucketing": bucketing, "prices_as_estimate": exact and not waits_by_gap(price.cluster)}
+    stats = {"class_edges": len(edges), "shared_charges": len(charges), "bucketed_edges": len(bucketing.edges),
+             "bucketed_fixed_share": round(bucketing.fixed_share, 6)}
+    return fields, stats
