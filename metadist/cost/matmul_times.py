@@ -27,7 +27,6 @@ in 4.1 s, mixtral-mini's in 8.3, once. A matmul whose curve price exceeds :data:
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -35,8 +34,8 @@ from typing import Iterable, Iterator
 from ..ir import Graph, Mesh, Node
 from .cluster import Cluster, MatmulKey
 from .compute import _BATCHED, Work, compute_dtype, node_work
-from .timed_shapes import (cached_table_path, one_thread_seconds, read_times, time_within_budget, with_timed,
-                           write_times)
+from .timed_shapes import (cached_table_path, local_cuts, one_thread_seconds, read_times, time_within_budget,
+                           with_timed, write_times)
 
 __all__ = ["NARROW_DTYPES", "TIMED_DTYPES", "narrow_matmuls", "matmul_keys", "table_path", "load_table",
            "with_measured_matmuls", "time_matmul"]
@@ -87,12 +86,7 @@ def matmul_keys(graph: Graph, mesh: Mesh, dtypes: Iterable[str] = TIMED_DTYPES) 
             continue
         batched = work.op in _BATCHED
         dims = (math.prod(first[:-2]) if batched else 0, first[-2], first[-1], second[-1])
-        for assignment in itertools.product((None, *range(0 if batched else 1, 4)), repeat=mesh.ndim):
-            pieces = [1, 1, 1, 1]
-            for axis, dim in enumerate(assignment):
-                if dim is not None:
-                    pieces[dim] *= mesh.shape[axis]
-            local = tuple(-(-size // count) for size, count in zip(dims, pieces))  # ceil: the largest piece
+        for local in local_cuts(dims, mesh.shape, range(0 if batched else 1, 4)):
             keys[(dtype, work.layout, *local)] = 2.0 * max(local[0], 1) * local[1] * local[2] * local[3]
     return keys
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from ..ir import DTYPE_BYTES, Graph, Mesh
 from .cluster import Cluster, RelayoutKey, relayout_key_of
 from .compute import RELAYOUT, relayouts
-from .timed_shapes import (cached_table_path, one_thread_seconds, read_times, time_within_budget, with_timed,
-                           write_times)
+from .timed_shapes import (cached_table_path, local_cuts, one_thread_seconds, read_times, time_within_budget,
+                           with_timed, write_times)
 
 __all__ = ["relayout_keys", "table_path", "load_table", "with_measured_relayouts", "time_relayout"]
 
@@ -55,12 +55,7 @@ def relayout_keys(graph: Graph, mesh: Mesh) -> dict[RelayoutKey, float]:
             continue
         spec = graph.value(node.input_names[0]).spec
         written = node.output_values[0].spec.dtype
-        for assignment in itertools.product((None, *range(spec.rank)), repeat=mesh.ndim):
-            pieces = [1] * spec.rank
-            for axis, dim in enumerate(assignment):
-                if dim is not None:
-                    pieces[dim] *= mesh.shape[axis]
-            local = tuple(-(-size // count) for size, count in zip(spec.shape, pieces))  # ceil: the largest piece
+        for local in local_cuts(spec.shape, mesh.shape, range(spec.rank)):
             keys[(spec.dtype, written, local)] = float(math.prod(local))
     return keys
 

@@ -9,12 +9,13 @@ common part, with :mod:`.relayout_times` (relayout copies): the cache file (:fun
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .cluster import Cluster, ClusterError
 
@@ -27,6 +28,17 @@ def cached_table_path(cache_dir: Path, what: str) -> Path:
     from .calibrate import _torch_version, calibration_key
 
     return Path(cache_dir) / "calibration" / f"{calibration_key(1, what, _torch_version())}.json"
+
+
+def local_cuts(sizes: tuple[int, ...], mesh_shape: tuple[int, ...], cuttable: range) -> Iterator[tuple[int, ...]]:
+    """The largest piece of ``sizes`` for every way of giving each mesh axis (of ``mesh_shape``) to one of the
+    ``cuttable`` dims or to none (``ceil`` of each dim over the product of its axes; repeats included)."""
+    for assignment in itertools.product((None, *cuttable), repeat=len(mesh_shape)):
+        pieces = [1] * len(sizes)
+        for axis, dim in enumerate(assignment):
+            if dim is not None:
+                pieces[dim] *= mesh_shape[axis]
+        yield tuple(-(-size // count) for size, count in zip(sizes, pieces))
 
 
 def one_thread_seconds(call: Callable[[], object]) -> float:
